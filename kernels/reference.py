@@ -1,0 +1,119 @@
+"""Plain-torch versions of every kernel: the CPU path of the engine and the oracle the Triton
+kernels are tested against. Signatures match the Triton launchers one to one."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from loraplex.kernels.metadata import AttentionMetadata
+
+
+def kv_view(kv_pool: torch.Tensor, page_size: int, num_kv_heads: int) -> torch.Tensor:
+    """``[num_pages, page_elems]`` -> ``[num_pages, 2, page_size, num_kv_heads, head_dim]``."""
+    return kv_pool.view(kv_pool.shape[0], 2, page_size, num_kv_heads, -1)
+
+
+def write_kv(kv_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor, page_size: int) -> None:
+    """Store each token's K and V in its slot.
+
+    Semantics: ``pool[slot // P, 0, slot % P] = k[t]`` and ``pool[slot // P, 1, slot % P] = v[t]``
+    with ``slot = slot_mapping[t]``.
+
+    Args:
+        kv_pool: ``[num_pages, page_elems]`` one layer's pool (model dtype), written in place.
+        k, v: ``[T, num_kv_heads, head_dim]``.
+        slot_mapping: ``[T]`` int64.
+        page_size: tokens per page ``P``.
+    """
+    pool = kv_view(kv_pool, page_size, k.shape[1])
+    pages = slot_mapping // page_size
+    offsets = slot_mapping % page_size
+    pool[pages, 0, offsets] = k
+    pool[pages, 1, offsets] = v
+
+
+def paged_attention(q: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetadata,
+                    page_size: int, num_kv_heads: int, scale: float) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its paged KV (GQA).
+
+    Semantics, for sequence ``s`` with ``n = q_len[s]``, ``L = seq_lens[s]`` and K/V the first
+    ``L`` tokens of its pages: ``out[t] = softmax(scale * q[t] K^T + mask) V``, where query row
+    ``i`` (position ``L - n + i``) sees keys ``0 .. L - n + i``; query head ``h`` reads KV head
+    ``h // (num_heads // num_kv_heads)``.
+
+    Args:
+        q: ``[T, num_heads, head_dim]``.
+        kv_pool: ``[num_pages, page_elems]`` one layer's pool, K/V already written.
+        meta: the step's ``AttentionMetadata``.
+    Returns:
+        ``[T, num_heads, head_dim]`` in ``q``'s dtype.
+    """
+    pool = kv_view(kv_pool, page_size, num_kv_heads)
+    out = torch.empty_like(q)
+    decode_rows = [s for s, n in enumerate(meta.q_lens) if n == 1]
+    if decode_rows:
+        _decode(q, pool, meta, decode_rows, out, scale)
+    starts = meta.query_start.tolist() if len(decode_rows) < meta.num_seqs else []
+    for s, n in enumerate(meta.q_lens):
+        if n > 1:
+            rows = slice(starts[s], starts[s] + n)
+            out[rows] = _prefill_one(q[rows], pool, meta.page_table[s],
+                                     meta.seq_lens_host[s], scale)
+    return out
+
+
+def _gather_kv(pool: torch.Tensor, pages: torch.Tensor, length: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    # pages: [..., n_pages] -> K, V: [..., n_pages * P, Hkv, D] truncated to length
+    kv = pool[pages.long()]  # [..., n_pages, 2, P, Hkv, D]
+    shape = kv.shape
+    merged = (*shape[:-5], shape[-5] * shape[-3], shape[-2], shape[-1])
+    k = kv.select(-4, 0).reshape(merged)[..., :length, :, :]
+    v = kv.select(-4, 1).reshape(merged)[..., :length, :, :]
+    return k, v
+
+
+def _prefill_one(q: torch.Tensor, pool: torch.Tensor, pages: torch.Tensor, seq_len: int,
+                 scale: float) -> torch.Tensor:
+    n, num_heads, head_dim = q.shape
+    page_size, num_kv_heads = pool.shape[2], pool.shape[3]
+    k, v = _gather_kv(pool, pages[: -(-seq_len // page_size)], seq_len)  # [L, Hkv, D]
+    group = num_heads // num_kv_heads
+    qh = q.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
+    qh = qh.reshape(num_kv_heads, group * n, head_dim)
+    q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
+    mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [n, L]
+    mask = mask.repeat(group, 1)  # [G*n, L]
+    o = F.scaled_dot_product_attention(qh, k.transpose(0, 1), v.transpose(0, 1),
+                                       attn_mask=mask, scale=scale)  # [Hkv, G*n, D]
+    return o.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(
+        n, num_heads, head_dim)
+
+
+def _decode(q: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadata, rows: list[int],
+            out: torch.Tensor, scale: float) -> None:
+    page_size, num_kv_heads = pool.shape[2], pool.shape[3]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    group = num_heads // num_kv_heads
+    all_decode = len(rows) == meta.num_seqs
+    lens = [meta.seq_lens_host[s] for s in rows]
+    max_len = max(lens)
+    rows_t = None if all_decode else torch.tensor(rows, device=q.device)
+    table = meta.page_table if rows_t is None else meta.page_table[rows_t]
+    k, v = _gather_kv(pool, table[:, : -(-max_len // page_size)], max_len)  # [B, L, Hkv, D]
+    tok = rows_t if rows_t is not None else None
+    if tok is not None:
+        tok = meta.query_start[rows_t].long()
+    qd = q if tok is None else q[tok]  # [B, Hq, D]
+    qh = qd.view(len(rows), num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
+    lens_t = meta.seq_lens if rows_t is None else meta.seq_lens[rows_t]
+    mask = torch.arange(max_len, device=q.device)[None, :] < lens_t[:, None]  # [B, L]
+    o = F.scaled_dot_product_attention(qh, k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=mask[:, None, None, :], scale=scale)
+    o = o.reshape(len(rows), num_heads, head_dim)
+    if tok is None:
+        out.copy_(o)
+    else:
+        out[tok] = o
