@@ -1,0 +1,241 @@
+"""The step-level engine: ``add_request`` / ``step`` / ``abort`` / ``has_unfinished``.
+
+``step()`` is schedule -> run -> postprocess. ``add_request`` and ``abort`` may be called from
+any thread (the gRPC worker drives ``step`` from its own thread): they validate at once and
+hand the request to the engine thread through an inbox drained at the start of each step.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.kernels.layout import kv_page_elems
+from loraplex.server.config import EngineConfig
+from loraplex.server.engine.model_runner import ModelRunner
+from loraplex.server.engine.models.config import ModelConfig, parse_dtype
+from loraplex.server.engine.models.demo import demo_model_path
+from loraplex.server.engine.models.loader import load_weights
+from loraplex.server.engine.pager import Pager, PagerStats
+from loraplex.server.engine.request import (
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    TokenLogprob,
+)
+from loraplex.server.engine.sampler import sample
+from loraplex.server.engine.scheduler import Scheduler
+from loraplex.server.engine.tokenizer import Detokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for metrics and status reports."""
+
+    num_waiting: int
+    num_running: int
+    num_preemptions: int
+    pages: PagerStats
+    num_steps: int
+
+
+def resolve_model_path(model: str) -> str:
+    return str(demo_model_path()) if model == "demo" else model
+
+
+class Engine:
+    """One worker's continuous-batching engine over a paged KV pool."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_path = resolve_model_path(config.model)
+        self.model_config = ModelConfig.from_pretrained(self.model_path)
+        self.dtype = parse_dtype(config.dtype)
+        self.device = torch.device(config.device)
+        self.max_model_len = self._max_model_len()
+        self.tokenizer = Tokenizer(self.model_path)
+        model = load_weights(self.model_path, self.model_config, self.dtype, self.device)
+        self.page_elems = kv_page_elems(config.page_size, self.model_config.num_kv_heads,
+                                        self.model_config.head_dim)
+        num_pages = self._num_pages()
+        pools = torch.zeros(self.model_config.num_layers, num_pages, self.page_elems,
+                            dtype=self.dtype, device=self.device)
+        kernels = config.kernels
+        if kernels == "auto":
+            kernels = "triton" if self.device.type == "cuda" else "torch"
+        self.kernels = kernels
+        self.runner = ModelRunner(model, pools, config.page_size, kernels)
+        self.pager = Pager(num_pages)
+        self.scheduler = Scheduler(config.scheduler, self.pager)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self._requests: dict[str, Request] = {}
+        self._detok: dict[str, Detokenizer] = {}
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._seed_rng = torch.Generator().manual_seed(config.seed)
+        self._num_steps = 0
+        logger.info("engine ready: %s, %s, %d pages of %d tokens, kernels=%s",
+                    self.model_path, config.dtype, num_pages, config.page_size, kernels)
+
+    # -- set-up ------------------------------------------------------------------------------
+    def _max_model_len(self) -> int:
+        length = self.model_config.max_position_embeddings
+        if self.model_config.sliding_window:
+            # Served exactly only while every sequence fits the window.
+            length = min(length, self.model_config.sliding_window)
+        if self.config.max_model_len is not None:
+            if self.config.max_model_len > length:
+                raise ValueError(f"max_model_len: {self.config.max_model_len} exceeds the "
+                                 f"model's {length}")
+            length = self.config.max_model_len
+        return length
+
+    def _num_pages(self) -> int:
+        if self.config.num_pages is not None:
+            return self.config.num_pages
+        bytes_per_page = (self.page_elems * self.model_config.num_layers
+                          * torch.empty(0, dtype=self.dtype).element_size())
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * self.config.gpu_memory_utilization)
+        else:
+            budget = self.config.pool_memory_bytes
+        num_pages = budget // bytes_per_page
+        if num_pages < 2:
+            raise ValueError(f"pool: {budget} bytes hold fewer than 2 pages of "
+                             f"{bytes_per_page} bytes")
+        return int(num_pages)
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None, adapter_digest: str | None = None,
+                    tenant: str = "default") -> Request:
+        """Validate and queue a request (any thread). Raises ``ValueError`` naming the field."""
+        params = params or SamplingParams()
+        if not request_id:
+            raise ValueError("request_id: must not be empty")
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids or (isinstance(prompt, str) and not prompt):
+            raise ValueError("prompt: must not be empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
+        total = len(token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt: {len(token_ids)} prompt tokens + max_tokens "
+                             f"{params.max_tokens} exceed the context of {self.max_model_len}")
+        if -(-total // self.config.page_size) > self.pager.num_pages:
+            raise ValueError(f"max_tokens: {total} tokens do not fit the pool of "
+                             f"{self.pager.num_pages} pages")
+        seed = params.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+        req = Request(request_id, token_ids, params, adapter_digest=adapter_digest,
+                      tenant=tenant, generator=torch.Generator().manual_seed(seed))
+        self._requests[request_id] = req
+        self._detok[request_id] = Detokenizer(self.tokenizer, req)
+        self._inbox.put(("add", req))
+        return req
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (any thread); its pages return within the next step."""
+        self._inbox.put(("abort", request_id))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or not self._inbox.empty()
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        outputs = []
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return outputs
+            if isinstance(item, Request):
+                self.scheduler.add(item)
+            elif kind == "abort":
+                req = self._requests.get(str(item))
+                if req is not None and not req.finished:
+                    outputs.append(self._finish(req, RequestStatus.FINISHED_ABORTED, ""))
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration: schedule, run the model, sample, and report progress."""
+        outputs = self._drain_inbox()
+        batch = self.scheduler.schedule()
+        if not batch.requests:
+            return outputs
+        self._num_steps += 1
+        now = time.monotonic()
+        try:
+            run = self.runner.run(batch)
+        except Exception as exc:  # a bug or a device fault: fail this batch, keep serving
+            logger.exception("model step failed")
+            for req in batch.requests:
+                req.error = f"internal error in model step: {exc}"
+                outputs.append(self._finish(req, RequestStatus.FINISHED_ERROR, ""))
+            return outputs
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            req.num_computed_tokens += n
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+        if run.sampling_requests:
+            token_ids, logprobs = sample(run.logits, run.sampling_requests)
+            for req, token, lp in zip(run.sampling_requests, token_ids, logprobs):
+                outputs.append(self._append_token(req, token, lp))
+        return outputs
+
+    def _append_token(self, req: Request, token: int, lp: TokenLogprob | None
+                      ) -> RequestOutput:
+        req.output_token_ids.append(token)
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        if lp is not None:
+            req.logprobs.append(lp)
+        params = req.params
+        status = None
+        if (token in params.stop_token_ids
+                or (not params.ignore_eos and token in self.eos_token_ids)):
+            status = RequestStatus.FINISHED_STOPPED
+        elif (req.num_output_tokens >= params.max_tokens
+              or req.num_tokens >= self.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        detok = self._detok[req.request_id]
+        text, stopped = detok.add(token, finished=status is not None)
+        if stopped:
+            status = RequestStatus.FINISHED_STOPPED
+        if status is None:
+            return RequestOutput(req.request_id, [token], text, False,
+                                 logprobs=[lp] if lp is not None else [],
+                                 num_prompt_tokens=req.num_prompt_tokens,
+                                 num_output_tokens=req.num_output_tokens)
+        return self._finish(req, status, text, [token], [lp] if lp is not None else [])
+
+    def _finish(self, req: Request, status: RequestStatus, text: str,
+                new_token_ids: list[int] | None = None,
+                logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
+        self.scheduler.finish(req, status)
+        detok = self._detok.pop(req.request_id)
+        if status is not RequestStatus.FINISHED_STOPPED:
+            text += detok.finish()
+        del self._requests[req.request_id]
+        return RequestOutput(req.request_id, new_token_ids or [], text, True,
+                             finish_reason=status.value, logprobs=logprobs or [],
+                             num_prompt_tokens=req.num_prompt_tokens,
+                             num_output_tokens=req.num_output_tokens,
+                             num_cached_tokens=req.num_cached_tokens, error=req.error)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(self.scheduler.num_waiting, self.scheduler.num_running,
+                           self.scheduler.num_preemptions, self.pager.stats(), self._num_steps)

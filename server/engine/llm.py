@@ -1,0 +1,75 @@
+"""The offline API: ``LLM(model=...).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from loraplex.server.config import EngineConfig, SchedulerConfig
+from loraplex.server.engine.engine import Engine
+from loraplex.server.engine.request import SamplingParams, TokenLogprob
+
+
+@dataclass
+class Completion:
+    """One finished generation."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    error: str | None = None
+    num_preemptions: int = 0
+
+
+class LLM:
+    """Run many prompts through one engine, all at once (continuous batching)."""
+
+    def __init__(self, model: str = "demo", engine: Engine | None = None, **kwargs) -> None:
+        if engine is None:
+            sched_fields = set(SchedulerConfig.__dataclass_fields__)
+            sched = SchedulerConfig(**{k: kwargs.pop(k) for k in list(kwargs)
+                                       if k in sched_fields})
+            engine = Engine(EngineConfig(model=model, scheduler=sched, **kwargs))
+        self.engine = engine
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Sequence[str | list[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 adapters: Sequence[str | None] | None = None) -> list[Completion]:
+        """Generate for every prompt; results in prompt order.
+
+        Args:
+            prompts: text or token ids.
+            sampling_params: one for all, or one per prompt.
+            adapters: adapter digest per prompt (None: the base model).
+        """
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError("sampling_params: need one per prompt")
+        adapters = list(adapters) if adapters is not None else [None] * len(prompts)
+        results: dict[str, Completion] = {}
+        order = []
+        for prompt, p, adapter in zip(prompts, params, adapters):
+            rid = f"llm-{next(self._ids)}"
+            req = self.engine.add_request(rid, prompt, p, adapter_digest=adapter)
+            results[rid] = Completion(rid, list(req.prompt_token_ids))
+            order.append((rid, req))
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                done = results.get(out.request_id)
+                if done is None:
+                    continue
+                done.token_ids.extend(out.new_token_ids)
+                done.text += out.new_text
+                done.logprobs.extend(out.logprobs)
+                if out.finished:
+                    done.finish_reason = out.finish_reason
+                    done.error = out.error
+        return [replace(results[rid], num_preemptions=req.num_preemptions) for rid, req in order]

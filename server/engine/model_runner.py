@@ -1,0 +1,76 @@
+"""Turns a scheduled batch into tensors, runs the model, and returns the logits of the
+requests whose known tokens are now all computed (those sample a new token)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from loraplex.kernels.metadata import AttentionMetadata
+from loraplex.server.engine.models.llama import ForwardContext, LlamaModel, LoraHook
+from loraplex.server.engine.request import Request
+from loraplex.server.engine.scheduler import ScheduledBatch
+
+
+class RunOutput(NamedTuple):
+    sampling_requests: list[Request]
+    logits: torch.Tensor  # [len(sampling_requests), vocab] float32
+
+
+def attention_kernels(name: str) -> tuple[Callable[..., None], Callable[..., torch.Tensor]]:
+    """(write_kv, paged_attention) for ``torch`` (the references) or ``triton``."""
+    if name == "triton":
+        from loraplex.kernels import paged_attention as triton_attention
+
+        return triton_attention.write_kv, triton_attention.paged_attention
+    from loraplex.kernels import reference
+
+    return reference.write_kv, reference.paged_attention
+
+
+class ModelRunner:
+    """Owns the model and the per-layer page pools ``[num_layers, num_pages, page_elems]``."""
+
+    def __init__(self, model: LlamaModel, pools: torch.Tensor, page_size: int,
+                 kernels: str = "torch") -> None:
+        self.model = model
+        self.pools = pools
+        self.page_size = page_size
+        self.device = model.device
+        self.write_kv, self.attention = attention_kernels(kernels)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, lora: LoraHook | None = None) -> RunOutput:
+        """Compute ``batch``; logits only for the requests that will sample."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        sampling: list[Request] = []
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            start = req.num_computed_tokens
+            end = start + n
+            num_prompt = req.num_prompt_tokens
+            if end <= num_prompt:
+                input_ids.extend(req.prompt_token_ids[start:end])
+            else:
+                input_ids.extend(req.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            seq_lens.append(end)
+            if end == req.num_tokens:
+                sample_rows.append(len(input_ids) - 1)
+                sampling.append(req)
+        meta = AttentionMetadata.build([r.page_ids for r in batch.requests],
+                                       list(batch.num_new_tokens), seq_lens, self.page_size,
+                                       self.device)
+        ctx = ForwardContext(meta, self.pools, self.page_size, self.write_kv, self.attention,
+                             lora)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model.forward(ids, pos, ctx)
+        if not sampling:
+            return RunOutput([], hidden.new_empty(0, 0, dtype=torch.float32))
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        return RunOutput(sampling, self.model.compute_logits(hidden[rows]))

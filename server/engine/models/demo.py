@@ -1,0 +1,134 @@
+"""``--model demo``: a small deterministic random-weight Llama with a byte-level tokenizer,
+built once into the cache directory (like vLLM's dummy weights; no network)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from loraplex.server import env
+from loraplex.server.engine.models.config import ModelConfig
+
+DEMO_VERSION = 1
+NUM_BYTE_TOKENS = 256
+BOS, EOS, PAD = 256, 257, 258
+
+DEMO_HF_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 320,
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 32,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "hidden_act": "silu",
+    "bos_token_id": BOS,
+    "eos_token_id": EOS,
+    "pad_token_id": PAD,
+    "torch_dtype": "float32",
+}
+
+
+def demo_model_config() -> ModelConfig:
+    """The demo model's ``ModelConfig`` (without building its weights)."""
+    return ModelConfig.from_hf_dict(DEMO_HF_CONFIG)
+
+
+def demo_model_path() -> Path:
+    """Build the demo model on first use; return its directory."""
+    path = env.cache_dir() / f"demo-llama-v{DEMO_VERSION}"
+    if (path / "model.safetensors").exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=path.parent))
+    try:
+        write_random_llama(tmp, DEMO_HF_CONFIG, seed=0)
+        write_byte_tokenizer(tmp)
+        try:
+            os.rename(tmp, path)
+        except OSError:  # another process built it first
+            if not (path / "model.safetensors").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def write_random_llama(path: Path, hf_config: dict, seed: int, std: float = 0.08) -> None:
+    """Write ``config.json`` and deterministic random ``model.safetensors`` for a Llama-family
+    config (used by the demo model, tests and benchmarks)."""
+    cfg = ModelConfig.from_hf_dict(hf_config)
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rand(cfg.vocab_size, h)}
+    shapes = cfg.module_shapes()
+    for layer in range(cfg.num_layers):
+        p = f"model.layers.{layer}."
+        for m in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            d_in, d_out = shapes[m]
+            tensors[p + f"self_attn.{m}.weight"] = rand(d_out, d_in)
+            if cfg.attention_bias and m != "o_proj":
+                tensors[p + f"self_attn.{m}.bias"] = rand(d_out)
+        tensors[p + "mlp.gate_proj.weight"] = rand(i, h)
+        tensors[p + "mlp.up_proj.weight"] = rand(i, h)
+        tensors[p + "mlp.down_proj.weight"] = rand(h, i)
+        tensors[p + "input_layernorm.weight"] = 1.0 + rand(h)
+        tensors[p + "post_attention_layernorm.weight"] = 1.0 + rand(h)
+    tensors["model.norm.weight"] = 1.0 + rand(h)
+    if not cfg.tie_word_embeddings:
+        tensors["lm_head.weight"] = rand(cfg.vocab_size, h)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(path / "config.json", "w", encoding="utf-8") as f:
+        json.dump(hf_config, f, indent=2)
+
+
+def write_byte_tokenizer(path: Path) -> None:
+    """A byte-level tokenizer: ids 0..255 are bytes, then ``<s>``, ``</s>``, ``<pad>``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    byte_chars = sorted(alphabet, key=lambda c: _byte_of(c))
+    vocab = {ch: idx for idx, ch in enumerate(byte_chars)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>", "</s>", "<pad>"])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS)])
+    tok.save(str(path / "tokenizer.json"))
+    with open(path / "tokenizer_config.json", "w", encoding="utf-8") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+                   "eos_token": "</s>", "pad_token": "<pad>", "model_max_length": 2048}, f)
+    with open(path / "generation_config.json", "w", encoding="utf-8") as f:
+        json.dump({"bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD}, f)
+
+
+def _byte_of(ch: str) -> int:
+    # GPT-2's byte-to-unicode table: printable bytes map to themselves, the rest to 256+.
+    code = ord(ch)
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    if code in printable:
+        return code
+    others = [b for b in range(256) if b not in printable]
+    return others[code - 256]

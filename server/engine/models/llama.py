@@ -1,0 +1,135 @@
+"""The Llama family (Llama, Mistral, Qwen2): RMSNorm, RoPE, GQA attention over paged KV, SwiGLU.
+
+The model works on the step's flattened tokens ``[T, hidden]``: prefill chunks and decodes of
+many requests run in one forward pass. q/k/v and gate/up weights are fused at load so a layer
+is four matrix multiplies; LoRA deltas are added to the fused outputs slice by slice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from loraplex.kernels.metadata import AttentionMetadata
+from loraplex.server.engine.models.config import ModelConfig
+from loraplex.server.engine.models.rope import RotaryEmbedding
+
+
+class LoraHook(Protocol):
+    """Adds the batch's adapter deltas to a fused projection's output in place."""
+
+    def __call__(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None: ...
+
+
+@dataclass
+class ForwardContext:
+    """What one forward pass needs besides the tokens: KV pages and the kernels to use."""
+
+    attn: AttentionMetadata
+    kv_pools: torch.Tensor  # [num_layers, num_pages, page_elems]
+    page_size: int
+    write_kv: Callable[..., None]
+    attention: Callable[..., torch.Tensor]
+    lora: LoraHook | None = None
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
+    o: torch.Tensor  # [hidden, q_size]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # As Hugging Face does it: normalise in float32, cast back, then scale.
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+class LlamaModel:
+    """A Llama-family causal LM over paged KV. Weights come from ``loader.load_weights``."""
+
+    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
+                 norm: torch.Tensor, lm_head: torch.Tensor) -> None:
+        self.config = config
+        self.embed = embed  # [vocab, hidden]
+        self.layers = layers
+        self.norm = norm  # [hidden]
+        self.lm_head = lm_head  # [vocab, hidden] (the embedding itself when tied)
+        self.dtype = embed.dtype
+        self.device = embed.device
+        self.rope = RotaryEmbedding(config, self.dtype, self.device)
+        self.scale = config.head_dim ** -0.5
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        """``input_ids, positions [T]`` -> final hidden states ``[T, hidden]`` (pre lm_head)."""
+        cfg = self.config
+        num_tokens = input_ids.shape[0]
+        cos, sin = self.rope.cos_sin(positions)
+        hidden = F.embedding(input_ids, self.embed)  # [T, hidden]
+        for i, w in enumerate(self.layers):
+            x = rms_norm(hidden, w.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(x, w.qkv, w.qkv_bias)  # [T, q_size + 2 * kv_size]
+            if ctx.lora is not None:
+                ctx.lora(i, "qkv", x, qkv)
+            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q = self.rope.apply(q.view(num_tokens, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = self.rope.apply(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            pool = ctx.kv_pools[i]
+            ctx.write_kv(pool, k, v, ctx.attn.slot_mapping, ctx.page_size)
+            attn = ctx.attention(q, pool, ctx.attn, ctx.page_size, cfg.num_kv_heads, self.scale)
+            attn = attn.reshape(num_tokens, cfg.q_size)
+            o = F.linear(attn, w.o)
+            if ctx.lora is not None:
+                ctx.lora(i, "o", attn, o)
+            hidden = hidden + o
+            x = rms_norm(hidden, w.post_norm, cfg.rms_norm_eps)
+            gate_up = F.linear(x, w.gate_up)  # [T, 2 * intermediate]
+            if ctx.lora is not None:
+                ctx.lora(i, "gate_up", x, gate_up)
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+            down = F.linear(act, w.down)
+            if ctx.lora is not None:
+                ctx.lora(i, "down", act, down)
+            hidden = hidden + down
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` -> float32 logits ``[N, vocab]`` (final norm included)."""
+        h = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+
+# Which slice of each fused projection a LoRA target module writes to.
+FUSED_GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+
+
+def module_slices(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
+    """module -> (fused group, start column, end column) in that group's output."""
+    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    return {
+        "q_proj": ("qkv", 0, q),
+        "k_proj": ("qkv", q, q + kv),
+        "v_proj": ("qkv", q + kv, q + 2 * kv),
+        "o_proj": ("o", 0, config.hidden_size),
+        "gate_proj": ("gate_up", 0, inter),
+        "up_proj": ("gate_up", inter, 2 * inter),
+        "down_proj": ("down", 0, config.hidden_size),
+    }

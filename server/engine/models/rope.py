@@ -1,0 +1,57 @@
+"""Rotary position embeddings, computed as Hugging Face computes them (float32 angles, then
+cast), for the rope_scaling types we serve: default, linear and llama3."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from loraplex.server.engine.models.config import ModelConfig
+
+
+def inv_frequencies(config: ModelConfig) -> torch.Tensor:
+    """``[head_dim // 2]`` float32 inverse frequencies after rope scaling."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim
+    inv_freq = 1.0 / (config.rope_theta ** exponents)
+    scaling = config.rope_scaling_dict
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif rope_type == "llama3":
+        inv_freq = _llama3(inv_freq, scaling)
+    return inv_freq
+
+
+def _llama3(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """cos/sin tables by position; ``apply`` rotates q and k in place of HF's rotate_half."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        self.inv_freq = inv_frequencies(config).to(device)  # [head_dim // 2] float32
+        self.dtype = dtype
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions [T]`` -> cos, sin ``[T, head_dim]`` in the model dtype."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x [T, heads, head_dim]`` by the per-token ``cos``/``sin [T, head_dim]``."""
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos[:, None, :] + rotated * sin[:, None, :]

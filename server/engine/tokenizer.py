@@ -1,0 +1,74 @@
+"""Tokenizers (Hugging Face ``tokenizer.json``, never remote code) and incremental
+detokenization with stop strings matched across token boundaries."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from loraplex.server.engine.request import Request
+
+# Tokens decoded before the new ones, so that merges and leading spaces decode as in context.
+_CONTEXT_TOKENS = 5
+
+
+class Tokenizer:
+    """A thin wrapper over a Hugging Face fast tokenizer."""
+
+    def __init__(self, path: str | Path) -> None:
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+        self.eos_token_id: int | None = self._tok.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok(text)["input_ids"])
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=True)
+
+
+class Detokenizer:
+    """Turns a request's output tokens into text deltas, holding back any tail that could
+    still become a stop string so that a stop string is never streamed."""
+
+    def __init__(self, tokenizer: Tokenizer, request: Request) -> None:
+        self.tokenizer = tokenizer
+        self.stops = request.params.stop
+        self._hold = max((len(s) for s in self.stops), default=1) - 1
+        self._ids = list(request.prompt_token_ids)
+        self._prefix_offset = max(len(self._ids) - _CONTEXT_TOKENS, 0)
+        self._read_offset = len(self._ids)
+        self.text = ""  # all output text so far (truncated at a stop string)
+        self._emitted = 0
+
+    def add(self, token_id: int, finished: bool) -> tuple[str, bool]:
+        """Append one token. Returns (text now safe to emit, whether a stop string matched)."""
+        self._ids.append(token_id)
+        prefix = self.tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
+        full = self.tokenizer.decode(self._ids[self._prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix):]
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            search_from = max(len(self.text) - self._hold, 0)
+            self.text += delta
+            for stop in self.stops:
+                at = self.text.find(stop, search_from)
+                if at >= 0:
+                    self.text = self.text[:at]
+                    return self._flush(), True
+        return (self._flush() if finished else self._emit()), False
+
+    def finish(self) -> str:
+        """All held-back text, at the end of the request."""
+        return self._flush()
+
+    def _emit(self) -> str:
+        upto = max(len(self.text) - self._hold, self._emitted)
+        out = self.text[self._emitted:upto]
+        self._emitted = upto
+        return out
+
+    def _flush(self) -> str:
+        out = self.text[self._emitted:]
+        self._emitted = len(self.text)
+        return out

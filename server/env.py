@@ -1,0 +1,22 @@
+"""Every ``LORAPLEX_*`` environment variable, read in this one place."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """``LORAPLEX_CACHE_DIR``: where the demo model and other built artefacts live."""
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "loraplex"
+    return Path(os.environ.get("LORAPLEX_CACHE_DIR", default))
+
+
+def data_dir() -> Path:
+    """``LORAPLEX_DATA_DIR``: the default on-disk adapter store and server state."""
+    return Path(os.environ.get("LORAPLEX_DATA_DIR", cache_dir() / "data"))
+
+
+def get(name: str, default: str | None = None) -> str | None:
+    """``LORAPLEX_<NAME>`` or ``default``: the environment half of a CLI flag."""
+    return os.environ.get(f"LORAPLEX_{name.upper()}", default)

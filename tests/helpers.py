@@ -1,0 +1,90 @@
+"""Tiny random models built inside the tests (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from loraplex.server.engine.models.demo import write_byte_tokenizer, write_random_llama
+
+ARCH = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+}
+
+
+def tiny_hf_config(arch: str = "llama", **overrides) -> dict:
+    cls, model_type = ARCH[arch]
+    cfg = {
+        "architectures": [cls],
+        "model_type": model_type,
+        "vocab_size": 300,
+        "hidden_size": 64,
+        "intermediate_size": 160,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "bos_token_id": 256,
+        "eos_token_id": 257,
+        "pad_token_id": 258,
+        "torch_dtype": "float32",
+    }
+    if arch == "qwen2":
+        cfg.update(use_sliding_window=False, sliding_window=None)
+    if arch == "mistral":
+        cfg.update(sliding_window=None)
+    cfg.update(overrides)
+    return cfg
+
+
+def make_model(path: Path, arch: str = "llama", seed: int = 0, std: float = 0.1,
+               **overrides) -> Path:
+    """Write a tiny random HF model (weights, config, byte tokenizer) into ``path``."""
+    cfg = tiny_hf_config(arch, **overrides)
+    if arch == "qwen2":
+        cfg.setdefault("attention_bias", True)
+    write_random_llama(path, cfg, seed=seed, std=std)
+    write_byte_tokenizer(path)
+    return path
+
+
+def random_prompts(num: int, seed: int, low: int = 3, high: int = 40,
+                   vocab: int = 256) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(low, high))] for _ in range(num)]
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int | list[int],
+              min_margin: float = 1e-4, dtype: torch.dtype = torch.float32) -> list[list[int]]:
+    """transformers' greedy tokens for each prompt alone (no padding), asserting that every
+    chosen token beats the runner-up by ``min_margin`` so that the comparison is meaningful."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    model.eval()
+    lengths = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(
+        prompts)
+    outputs = []
+    with torch.no_grad():
+        for prompt, n in zip(prompts, lengths):
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                 min_new_tokens=n, do_sample=False, output_scores=True,
+                                 return_dict_in_generate=True, pad_token_id=258)
+            for score in out.scores:
+                top2 = score[0].float().topk(2).values
+                margin = float(top2[0] - top2[1])
+                if margin < min_margin:
+                    raise AssertionError(f"near-tied logits (margin {margin:.2e}): pick another "
+                                         "seed for a meaningful comparison")
+            outputs.append(out.sequences[0, len(prompt):].tolist())
+    return outputs
