@@ -37,13 +37,23 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EngineStats:
-    """A snapshot for metrics and status reports."""
+    """A snapshot for metrics and status reports (counters are totals since start)."""
 
     num_waiting: int
     num_running: int
     num_preemptions: int
-    pages: PagerStats
+    pages: PagerStats  # pages by kind: free, kv, adapter, prefix
     num_steps: int
+    resident_adapters: tuple[str, ...] = ()  # digests with pages in the pool
+    host_adapters: tuple[str, ...] = ()  # digests in the host (CPU RAM) cache
+    adapter_loads: int = 0
+    adapter_load_seconds: float = 0.0
+    adapter_load_failures: int = 0
+    host_hits: int = 0
+    host_misses: int = 0
+    device_hits: int = 0
+    device_misses: int = 0
+    adapter_evictions: int = 0
 
 
 def resolve_model_path(model: str) -> str:
