@@ -1,0 +1,80 @@
+"""Sampling: seeds reproducible regardless of batch, top_k=1 is greedy, distributions."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from loraplex.server.config import EngineConfig, SchedulerConfig
+from loraplex.server.engine.engine import Engine
+from loraplex.server.engine.llm import LLM
+from loraplex.server.engine.request import Request, SamplingParams
+from loraplex.server.engine.sampler import sample
+from tests.helpers import random_prompts
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(engine=Engine(EngineConfig(model=str(tiny_llama), num_pages=128,
+                                          scheduler=SchedulerConfig(page_size=4))))
+
+
+def test_same_seed_same_tokens_alone_and_in_a_batch(llm):
+    prompts = random_prompts(6, seed=2)
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234,
+                            ignore_eos=True)
+    alone = llm.generate([prompts[0]], params)[0].token_ids
+    others = [SamplingParams(max_tokens=9, temperature=0.7, seed=i, ignore_eos=True)
+              for i in range(5)]
+    batch = llm.generate(prompts, [params] + others)
+    assert batch[0].token_ids == alone
+    different_seed = llm.generate([prompts[0]], SamplingParams(
+        max_tokens=12, temperature=1.0, top_p=0.9, seed=99, ignore_eos=True))[0].token_ids
+    assert different_seed != alone
+
+
+def test_top_k_one_equals_greedy(llm):
+    prompts = random_prompts(3, seed=5)
+    greedy = llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+    top1 = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=1.5, top_k=1,
+                                                seed=3, ignore_eos=True))
+    assert [r.token_ids for r in greedy] == [r.token_ids for r in top1]
+
+
+def _draw(logits: torch.Tensor, params: SamplingParams, n: int) -> collections.Counter:
+    req = Request("x", [0], params, generator=torch.Generator().manual_seed(0))
+    counts: collections.Counter = collections.Counter()
+    for _ in range(n):
+        tokens, _ = sample(logits[None, :], [req])
+        counts[tokens[0]] += 1
+    return counts
+
+
+def test_temperature_matches_softmax_distribution():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    n = 4000
+    counts = _draw(logits, SamplingParams(temperature=2.0), n)
+    expected = torch.softmax(logits / 2.0, -1)
+    for token in range(5):
+        observed = counts[token] / n
+        sigma = (expected[token] * (1 - expected[token]) / n) ** 0.5
+        assert abs(observed - float(expected[token])) < 5 * sigma + 1e-3
+
+
+def test_top_p_keeps_only_the_nucleus():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    counts = _draw(logits, SamplingParams(temperature=1.0, top_p=0.75), 3000)
+    assert set(counts) == {0, 1}  # 0.5 + 0.3 reaches 0.75; tokens 2 and 3 are never drawn
+    assert abs(counts[0] / 3000 - 0.5 / 0.8) < 0.04
+
+
+def test_logprobs_of_chosen_and_top_tokens(llm):
+    out = llm.generate(random_prompts(1, seed=8), SamplingParams(max_tokens=3, logprobs=2,
+                                                                  ignore_eos=True))[0]
+    assert len(out.logprobs) == 3
+    for token, lp in zip(out.token_ids, out.logprobs):
+        assert lp.token_id == token and lp.logprob <= 0.0
+        assert len(lp.top) == 2 and lp.top[0][0] == token  # greedy: the top token is chosen
+        assert lp.top[0][1] == pytest.approx(lp.logprob)

@@ -1,0 +1,131 @@
+"""The scheduler, with no model: budgets, chunked prefill, preemption, pages back to zero."""
+
+from __future__ import annotations
+
+from loraplex.server.config import SchedulerConfig
+from loraplex.server.engine.pager import Pager
+from loraplex.server.engine.request import Request, RequestStatus, SamplingParams
+from loraplex.server.engine.scheduler import Scheduler
+
+
+def make_request(rid: str, prompt_len: int, max_tokens: int) -> Request:
+    return Request(rid, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens))
+
+
+def fake_step(sched: Scheduler) -> tuple[list[tuple[str, int]], list[Request]]:
+    """Schedule, pretend the model ran, append a token where the gap closed."""
+    batch = sched.schedule()
+    done = []
+    for req, n in zip(batch.requests, batch.num_new_tokens):
+        req.num_computed_tokens += n
+        if req.num_computed_tokens == req.num_tokens:
+            req.output_token_ids.append(1)
+            if req.num_output_tokens >= req.params.max_tokens:
+                done.append(req)
+    for req in done:
+        sched.finish(req, RequestStatus.FINISHED_LENGTH)
+    return list(zip([r.request_id for r in batch.requests], batch.num_new_tokens)), done
+
+
+def run_all(sched: Scheduler, check=None, limit=10_000) -> int:
+    steps = 0
+    while sched.has_unfinished():
+        scheduled, _ = fake_step(sched)
+        if check:
+            check(scheduled)
+        steps += 1
+        assert steps < limit, "scheduler made no progress"
+    return steps
+
+
+def test_budgets_respected_and_pages_return():
+    cfg = SchedulerConfig(page_size=4, max_num_seqs=3, max_num_batched_tokens=10)
+    pager = Pager(64)
+    sched = Scheduler(cfg, pager)
+    for i in range(8):
+        sched.add(make_request(f"r{i}", 3 + 5 * i, 4 + i))
+
+    def check(scheduled):
+        assert sum(n for _, n in scheduled) <= 10
+        assert len(scheduled) <= 3
+        assert sched.num_running <= 3
+
+    run_all(sched, check)
+    assert pager.num_free == 64
+
+
+def test_decodes_keep_running_while_a_long_prompt_prefills():
+    cfg = SchedulerConfig(page_size=4, max_num_batched_tokens=8)
+    sched = Scheduler(cfg, Pager(128))
+    decoders = [make_request(f"d{i}", 2, 50) for i in range(3)]
+    for r in decoders:
+        sched.add(r)
+    fake_step(sched)
+    fake_step(sched)  # all three are decoding now
+    sched.add(make_request("long", 100, 1))
+    prefill_steps = 0
+    while any(r.request_id == "long" for r in sched.running + list(sched.waiting)):
+        scheduled, _ = fake_step(sched)
+        names = dict(scheduled)
+        assert all(names.get(r.request_id) == 1 for r in decoders), scheduled
+        if "long" in names:
+            prefill_steps += 1
+            assert names["long"] <= 5
+    assert prefill_steps >= 20  # 100 tokens in chunks of at most 5
+
+
+def test_long_prefill_threshold_chunks_a_prompt():
+    cfg = SchedulerConfig(page_size=4, max_num_batched_tokens=100,
+                          long_prefill_token_threshold=7)
+    sched = Scheduler(cfg, Pager(64))
+    sched.add(make_request("p", 30, 1))
+    chunks = []
+    while sched.has_unfinished():
+        scheduled, _ = fake_step(sched)
+        chunks.extend(n for _, n in scheduled)
+    assert chunks == [7, 7, 7, 7, 2]
+
+
+def test_preemption_takes_the_newest_and_everyone_finishes():
+    cfg = SchedulerConfig(page_size=2, max_num_batched_tokens=64)
+    pager = Pager(12)  # 24 token slots for 3 requests that each grow to 12 tokens
+    sched = Scheduler(cfg, pager)
+    reqs = [make_request(f"r{i}", 4, 8) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    first_preempted = []
+
+    def check(scheduled):
+        if sched.num_preemptions and not first_preempted:
+            first_preempted.append([r.request_id for r in reqs if r.num_preemptions])
+
+    run_all(sched, check)
+    assert sched.num_preemptions > 0
+    assert first_preempted[0] == ["r2"]
+    assert all(r.num_output_tokens == 8 for r in reqs)
+    assert pager.num_free == 12
+
+
+def test_admission_waits_for_pages():
+    cfg = SchedulerConfig(page_size=4, max_num_batched_tokens=100)
+    pager = Pager(4)
+    sched = Scheduler(cfg, pager)
+    sched.add(make_request("big", 14, 2))
+    sched.add(make_request("next", 8, 1))
+    scheduled, _ = fake_step(sched)
+    assert [r for r, _ in scheduled] == ["big"]  # 4 pages taken, "next" must wait
+    run_all(sched)
+    assert pager.num_free == 4
+
+
+def test_finish_frees_a_waiting_or_running_request():
+    sched = Scheduler(SchedulerConfig(page_size=4), Pager(16))
+    a, b = make_request("a", 10, 5), make_request("b", 10, 5)
+    sched.add(a)
+    fake_step(sched)
+    sched.add(b)
+    assert a.page_ids
+    sched.finish(a, RequestStatus.FINISHED_ABORTED)
+    sched.finish(b, RequestStatus.FINISHED_ABORTED)
+    assert not sched.has_unfinished() and sched.pager.num_free == 16
+    assert a.status is RequestStatus.FINISHED_ABORTED
