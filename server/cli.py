@@ -34,18 +34,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=s.max_num_batched_tokens)
     parser.add_argument("--long-prefill-token-threshold", type=int,
                         default=s.long_prefill_token_threshold)
+    parser.add_argument("--max-adapters-per-step", type=int, default=s.max_adapters_per_step)
+    parser.add_argument("--host-cache-bytes", type=int, default=d.host_cache_bytes)
     parser.add_argument("--seed", type=int, default=d.seed)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     sched = SchedulerConfig(page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens,
-                            long_prefill_token_threshold=args.long_prefill_token_threshold)
+                            long_prefill_token_threshold=args.long_prefill_token_threshold,
+                            max_adapters_per_step=args.max_adapters_per_step)
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                         kernels=args.kernels, num_pages=args.num_pages,
                         pool_memory_bytes=args.pool_memory_bytes,
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         max_model_len=args.max_model_len, max_rank=args.max_rank,
+                        host_cache_bytes=args.host_cache_bytes,
                         seed=args.seed, scheduler=sched)
 
 

@@ -19,12 +19,15 @@ class SchedulerConfig:
         max_num_batched_tokens: tokens computed per step at most (decodes plus prefill chunks).
         long_prefill_token_threshold: most prompt tokens one request computes per step
             (0: only the step budget limits it).
+        max_adapters_per_step: distinct adapters among running requests at most (0: no cap);
+            a request for another adapter waits, without blocking those behind it.
     """
 
     page_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 0
+    max_adapters_per_step: int = 0
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -32,6 +35,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold: must be >= 0")
+        if self.max_adapters_per_step < 0:
+            raise ValueError("max_adapters_per_step: must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,7 @@ class EngineConfig:
         max_model_len: context length served (None: the model's).
         kernels: ``auto`` (Triton on CUDA, torch on CPU), ``torch`` or ``triton``.
         max_rank: largest adapter rank served.
+        host_cache_bytes: CPU memory for decoded adapters (LRU by bytes).
         seed: seeds requests that bring no seed of their own.
     """
 
@@ -62,6 +68,7 @@ class EngineConfig:
     max_model_len: int | None = None
     kernels: str = "auto"
     max_rank: int = 64
+    host_cache_bytes: int = 4 << 30
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -77,6 +84,8 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization: must be in (0, 1]")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len: must be >= 2")
+        if self.host_cache_bytes < 1:
+            raise ValueError("host_cache_bytes: must be positive")
         if not 1 <= self.max_rank <= 1024:
             raise ValueError(f"max_rank: must be in [1, 1024], got {self.max_rank}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

@@ -88,3 +88,71 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int | l
                                          "seed for a meaningful comparison")
             outputs.append(out.sequences[0, len(prompt):].tolist())
     return outputs
+
+
+# -- adapters -----------------------------------------------------------------------------------
+
+ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+# (name, rank, alpha, use_rslora, target modules): ranks {1, 4, 8, 16, 64}, several target sets
+ADAPTER_SPECS = [
+    ("a-r1-qv", 1, 2.0, False, ["q_proj", "v_proj"]),
+    ("b-r4-all", 4, 8.0, False, ALL_MODULES),
+    ("c-r8-qv", 8, 16.0, True, ["q_proj", "v_proj"]),
+    ("d-r16-all", 16, 8.0, False, ALL_MODULES),
+    ("e-r64-attn", 64, 32.0, True, ["q_proj", "k_proj", "v_proj", "o_proj"]),
+    ("f-r8-mlp", 8, 4.0, False, ["gate_proj", "up_proj", "down_proj"]),
+    ("g-r16-kod", 16, 16.0, False, ["k_proj", "o_proj", "down_proj"]),
+    ("h-r4-all", 4, 1.0, True, ALL_MODULES),
+]
+
+
+def make_peft_adapters(model_dir: Path, out_dir: Path, specs=ADAPTER_SPECS, seed: int = 0,
+                       std: float = 0.05) -> dict[str, Path]:
+    """Save one PEFT LoRA adapter per spec (random nonzero A and B) under ``out_dir/name``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    paths = {}
+    for i, (name, rank, alpha, rslora, targets) in enumerate(specs):
+        base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        cfg = LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=targets,
+                         lora_dropout=0.0, init_lora_weights=False, task_type="CAUSAL_LM")
+        model = get_peft_model(base, cfg)
+        gen = torch.Generator().manual_seed(seed * 1000 + i)
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if "lora_" in pname:
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+        model.save_pretrained(str(out_dir / name))
+        paths[name] = out_dir / name
+    return paths
+
+
+def peft_greedy(model_dir: Path, adapter_paths: dict[str, Path], prompts: list[list[int]],
+                adapter_names: list[str | None], max_new_tokens: list[int],
+                min_margin: float = 1e-4) -> list[list[int]]:
+    """peft's greedy tokens per request (alone, no padding), margin-checked like hf_greedy."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    names = list(adapter_paths)
+    model = PeftModel.from_pretrained(base, str(adapter_paths[names[0]]), adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(str(adapter_paths[name]), adapter_name=name)
+    model.eval()
+    outputs = []
+    with torch.no_grad():
+        for prompt, adapter, n in zip(prompts, adapter_names, max_new_tokens):
+            ids = torch.tensor([prompt])
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                 output_scores=True, return_dict_in_generate=True,
+                                 pad_token_id=258, adapter_names=[adapter or "__base__"])
+            for score in out.scores:
+                top2 = score[0].float().topk(2).values
+                if float(top2[0] - top2[1]) < min_margin:
+                    raise AssertionError("near-tied logits: pick another seed")
+            outputs.append(out.sequences[0, len(prompt):].tolist())
+    return outputs

@@ -16,6 +16,7 @@ import torch
 
 from loraplex.kernels.layout import kv_page_elems
 from loraplex.server.config import EngineConfig
+from loraplex.server.engine.adapter_cache import AdapterManager, AdapterSource
 from loraplex.server.engine.model_runner import ModelRunner
 from loraplex.server.engine.models.config import ModelConfig, parse_dtype
 from loraplex.server.engine.models.demo import demo_model_path
@@ -63,7 +64,14 @@ def resolve_model_path(model: str) -> str:
 class Engine:
     """One worker's continuous-batching engine over a paged KV pool."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, adapter_source: AdapterSource | None = None) -> None:
+        """Load the model and size the pool.
+
+        Args:
+            config: the engine's settings.
+            adapter_source: where adapters come from by digest (the adapter store, or a
+                ``DirectoryAdapterSource``); without one, requests naming an adapter are refused.
+        """
         self.config = config
         self.model_path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_pretrained(self.model_path)
@@ -83,7 +91,11 @@ class Engine:
         self.kernels = kernels
         self.runner = ModelRunner(model, pools, config.page_size, kernels)
         self.pager = Pager(num_pages)
-        self.scheduler = Scheduler(config.scheduler, self.pager)
+        self.adapters: AdapterManager | None = None
+        if adapter_source is not None:
+            self.adapters = AdapterManager(adapter_source, self.model_config, self.pager, pools,
+                                           config.max_rank, config.host_cache_bytes)
+        self.scheduler = Scheduler(config.scheduler, self.pager, self.adapters)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -133,6 +145,8 @@ class Engine:
         params = params or SamplingParams()
         if not request_id:
             raise ValueError("request_id: must not be empty")
+        if adapter_digest is not None and self.adapters is None:
+            raise ValueError("adapter: this engine serves no adapters (no adapter source)")
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -174,6 +188,8 @@ class Engine:
                 return outputs
             if isinstance(item, Request):
                 self.scheduler.add(item)
+                if item.adapter_digest is not None and self.adapters is not None:
+                    self.adapters.prefetch(item.adapter_digest)
             elif kind == "abort":
                 req = self._requests.get(str(item))
                 if req is not None and not req.finished:
@@ -183,13 +199,16 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration: schedule, run the model, sample, and report progress."""
         outputs = self._drain_inbox()
+        if self.adapters is not None:
+            outputs.extend(self._fail_unloadable())
+            self.adapters.begin_step()
         batch = self.scheduler.schedule()
         if not batch.requests:
             return outputs
         self._num_steps += 1
         now = time.monotonic()
         try:
-            run = self.runner.run(batch)
+            run = self.runner.run(batch, self.adapters)
         except Exception as exc:  # a bug or a device fault: fail this batch, keep serving
             logger.exception("model step failed")
             for req in batch.requests:
@@ -246,6 +265,39 @@ class Engine:
                              num_output_tokens=req.num_output_tokens,
                              num_cached_tokens=req.num_cached_tokens, error=req.error)
 
+    def _fail_unloadable(self) -> list[RequestOutput]:
+        """Requests whose adapter failed to load, or can never fit the pool beside their KV,
+        fail alone with the reason."""
+        if self.adapters is None:
+            return []
+        failures = self.adapters.take_failures()
+        outputs = []
+        for req in list(self.scheduler.waiting):
+            if req.adapter_digest is None:
+                continue
+            if req.adapter_digest in failures:
+                req.error = failures[req.adapter_digest]
+            else:
+                pages = self.adapters.host_pages(req.adapter_digest)
+                kv_pages = -(-req.max_total_tokens // self.config.page_size)
+                if pages is None or pages + kv_pages <= self.pager.num_pages:
+                    continue
+                req.error = (f"adapter: {req.adapter_digest[:12]} needs {pages} pages beside "
+                             f"{kv_pages} KV pages; the pool has {self.pager.num_pages}")
+            outputs.append(self._finish(req, RequestStatus.FINISHED_ERROR, ""))
+        return outputs
+
     def stats(self) -> EngineStats:
+        adapter_fields = {}
+        if self.adapters is not None:
+            c = self.adapters.counters
+            adapter_fields = dict(
+                resident_adapters=self.adapters.resident_digests(),
+                host_adapters=self.adapters.host_digests(),
+                adapter_loads=int(c["loads"]), adapter_load_seconds=float(c["load_seconds"]),
+                adapter_load_failures=int(c["load_failures"]), host_hits=int(c["host_hits"]),
+                host_misses=int(c["host_misses"]), device_hits=int(c["device_hits"]),
+                device_misses=int(c["device_misses"]), adapter_evictions=int(c["evictions"]))
         return EngineStats(self.scheduler.num_waiting, self.scheduler.num_running,
-                           self.scheduler.num_preemptions, self.pager.stats(), self._num_steps)
+                           self.scheduler.num_preemptions, self.pager.stats(), self._num_steps,
+                           **adapter_fields)

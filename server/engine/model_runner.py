@@ -9,7 +9,9 @@ from typing import NamedTuple
 import torch
 
 from loraplex.kernels.metadata import AttentionMetadata
-from loraplex.server.engine.models.llama import ForwardContext, LlamaModel, LoraHook
+from loraplex.server.engine.adapter_cache import AdapterManager
+from loraplex.server.engine.lora import LoraBatch, lora_ops
+from loraplex.server.engine.models.llama import ForwardContext, LlamaModel
 from loraplex.server.engine.request import Request
 from loraplex.server.engine.scheduler import ScheduledBatch
 
@@ -40,16 +42,22 @@ class ModelRunner:
         self.page_size = page_size
         self.device = model.device
         self.write_kv, self.attention = attention_kernels(kernels)
+        self.lora_ops = lora_ops(kernels)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, lora: LoraHook | None = None) -> RunOutput:
+    def run(self, batch: ScheduledBatch, adapters: AdapterManager | None = None) -> RunOutput:
         """Compute ``batch``; logits only for the requests that will sample."""
+        # Requests of one adapter run as one segment: order the batch by adapter.
+        order = sorted(zip(batch.requests, batch.num_new_tokens),
+                       key=lambda rn: rn[0].adapter_digest or "")
+        requests = [r for r, _ in order]
+        counts = [n for _, n in order]
         input_ids: list[int] = []
         positions: list[int] = []
         seq_lens: list[int] = []
         sample_rows: list[int] = []
         sampling: list[Request] = []
-        for req, n in zip(batch.requests, batch.num_new_tokens):
+        for req, n in order:
             start = req.num_computed_tokens
             end = start + n
             num_prompt = req.num_prompt_tokens
@@ -62,9 +70,9 @@ class ModelRunner:
             if end == req.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(req)
-        meta = AttentionMetadata.build([r.page_ids for r in batch.requests],
-                                       list(batch.num_new_tokens), seq_lens, self.page_size,
-                                       self.device)
+        meta = AttentionMetadata.build([r.page_ids for r in requests], counts, seq_lens,
+                                       self.page_size, self.device)
+        lora = self._lora_batch(requests, counts, adapters)
         ctx = ForwardContext(meta, self.pools, self.page_size, self.write_kv, self.attention,
                              lora)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
@@ -74,3 +82,19 @@ class ModelRunner:
             return RunOutput([], hidden.new_empty(0, 0, dtype=torch.float32))
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         return RunOutput(sampling, self.model.compute_logits(hidden[rows]))
+
+    def _lora_batch(self, requests: list[Request], counts: list[int],
+                    adapters: AdapterManager | None) -> LoraBatch | None:
+        if adapters is None or all(r.adapter_digest is None for r in requests):
+            return None
+        adapters.wait_for_copies()
+        segments: list[str | None] = []
+        seg_lens: list[int] = []
+        for req, n in zip(requests, counts):
+            if segments and segments[-1] == req.adapter_digest:
+                seg_lens[-1] += n
+            else:
+                segments.append(req.adapter_digest)
+                seg_lens.append(n)
+        resident = [adapters.resident(d) if d is not None else None for d in segments]
+        return LoraBatch(self.model.config, self.pools, self.lora_ops, resident, seg_lens)

@@ -109,11 +109,17 @@ class Scheduler:
             i += 1
 
         skipped: list[Request] = []
+        cap = self.config.max_adapters_per_step
+        active = {r.adapter_digest for r in self.running if r.adapter_digest} if cap else set()
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
             if self.gate is not None and not self.gate.ready(req):
                 skipped.append(self.waiting.popleft())  # its adapter is still loading
+                continue
+            digest = req.adapter_digest
+            if cap and digest and digest not in active and len(active) >= cap:
+                skipped.append(self.waiting.popleft())  # over the distinct-adapter cap
                 continue
             n = self._chunk(req, budget)
             need = self._pages_for(req, req.num_computed_tokens + n)
@@ -126,6 +132,8 @@ class Scheduler:
             req.page_ids.extend(self.pager.allocate(need))
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if cap and digest:
+                active.add(digest)
             scheduled.append(req)
             counts.append(n)
             budget -= n

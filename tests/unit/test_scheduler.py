@@ -129,3 +129,51 @@ def test_finish_frees_a_waiting_or_running_request():
     sched.finish(b, RequestStatus.FINISHED_ABORTED)
     assert not sched.has_unfinished() and sched.pager.num_free == 16
     assert a.status is RequestStatus.FINISHED_ABORTED
+
+
+class StubGate:
+    """Adapters as the scheduler sees them: ready or loading, and their page cost."""
+
+    def __init__(self, loading=()):
+        self.loading = set(loading)
+        self.acquired = []
+
+    def ready(self, request):
+        return request.adapter_digest not in self.loading
+
+    def pages_needed(self, request):
+        return 0
+
+    def acquire(self, request):
+        self.acquired.append(request.request_id)
+
+    def release(self, request):
+        pass
+
+
+def test_a_loading_adapter_does_not_block_the_queue():
+    gate = StubGate(loading={"slow"})
+    sched = Scheduler(SchedulerConfig(page_size=4), Pager(64), gate)
+    first = make_request("first", 4, 2)
+    first.adapter_digest = "slow"
+    sched.add(first)
+    sched.add(make_request("second", 4, 2))
+    scheduled, _ = fake_step(sched)
+    assert [r for r, _ in scheduled] == ["second"]
+    assert sched.waiting[0] is first  # keeps its place at the head
+    gate.loading.clear()
+    scheduled, _ = fake_step(sched)
+    assert "first" in dict(scheduled)
+
+
+def test_distinct_adapter_cap_per_step():
+    sched = Scheduler(SchedulerConfig(page_size=4, max_adapters_per_step=2), Pager(64),
+                      StubGate())
+    for i, digest in enumerate(["a", "b", "c", "a", None]):
+        req = make_request(f"r{i}", 4, 3)
+        req.adapter_digest = digest
+        sched.add(req)
+    scheduled, _ = fake_step(sched)
+    assert sorted(r for r, _ in scheduled) == ["r0", "r1", "r3", "r4"]  # "c" waits
+    run_all(sched)
+    assert sched.pager.num_free == 64

@@ -1,0 +1,279 @@
+"""Adapters inside a worker: the host tier (CPU RAM, LRU by bytes), background loads from an
+adapter source, and copies into the unified pool's pages.
+
+A request's adapter goes through three places:
+
+1. the **source** (the adapter store, or a local directory): ``fetch(digest)`` on a loader
+   thread, never on the engine loop;
+2. the **host cache**: the adapter flattened into its page layout (``kernels/layout.py``), in
+   the model dtype, ready to copy (pinned memory on CUDA);
+3. the **pool**: an entry of the pager (kind ADAPTER, keyed by digest), pinned while any
+   running request uses it and evicted LRU once none does.
+
+``AdapterManager`` is the scheduler's ``AdmissionGate``: a request is admitted only when its
+adapter is resident or in the host cache, and admission charges the adapter's pages.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from loraplex.kernels.layout import AdapterLayout, adapter_layout
+from loraplex.server.engine.models.config import LORA_MODULES, ModelConfig
+from loraplex.server.engine.pager import PageKind, Pager
+from loraplex.server.engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class AdapterSource(Protocol):
+    """Where workers get adapters by content digest (the store implements it)."""
+
+    def fetch(self, digest: str) -> Any: ...
+
+
+@dataclass(frozen=True)
+class HostAdapter:
+    """An adapter laid out for the pool: ``flat[layer]`` is its region in every layer."""
+
+    digest: str
+    layout: AdapterLayout
+    scale: float
+    flat: torch.Tensor  # [num_layers, layout.num_elems], model dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+
+def flatten_adapter(adapter: Any, config: ModelConfig, dtype: torch.dtype, max_rank: int,
+                    pin: bool = False) -> HostAdapter:
+    """Lay a ``CanonicalAdapter`` out as its page region; raises ``ValueError`` if it does not
+    fit this model or this engine."""
+    rank = int(adapter.rank)
+    if not 1 <= rank <= max_rank:
+        raise ValueError(f"adapter {adapter.digest[:12]}: rank {rank} is outside "
+                         f"[1, {max_rank}] served by this engine")
+    modules = tuple(m for m in LORA_MODULES if m in set(adapter.target_modules))
+    if not modules or len(modules) != len(set(adapter.target_modules)):
+        raise ValueError(f"adapter {adapter.digest[:12]}: target modules "
+                         f"{adapter.target_modules} are not a subset of {LORA_MODULES}")
+    shapes = config.module_shapes()
+    layout = adapter_layout(rank, modules, shapes)
+    flat = torch.zeros(config.num_layers, layout.num_elems, dtype=dtype)
+    for (layer, module), (a, b) in adapter.weights.items():
+        d_in, d_out = shapes[module]
+        if not 0 <= layer < config.num_layers or module not in layout.a_offsets:
+            raise ValueError(f"adapter {adapter.digest[:12]}: weights for layer {layer} "
+                             f"{module} do not fit the model")
+        if tuple(a.shape) != (rank, d_in) or tuple(b.shape) != (d_out, rank):
+            raise ValueError(f"adapter {adapter.digest[:12]}: {module} shapes "
+                             f"{tuple(a.shape)}/{tuple(b.shape)} do not fit the model")
+        a_off, b_off = layout.a_offsets[module], layout.b_offsets[module]
+        flat[layer, a_off:a_off + rank * d_in] = a.reshape(-1).to(dtype)
+        flat[layer, b_off:b_off + rank * d_out] = b.t().reshape(-1).to(dtype)
+    if pin:
+        flat = flat.pin_memory()
+    return HostAdapter(adapter.digest, layout, float(adapter.scale), flat)
+
+
+@dataclass(frozen=True)
+class ResidentAdapter:
+    """An adapter whose weights are in the pool: what the LoRA kernels need of it."""
+
+    digest: str
+    layout: AdapterLayout
+    scale: float
+    pages: tuple[int, ...]
+
+
+class AdapterManager:
+    """Host cache, background loader and pool residency for one engine (``AdmissionGate``)."""
+
+    def __init__(self, source: AdapterSource, config: ModelConfig, pager: Pager,
+                 pools: torch.Tensor, max_rank: int, host_cache_bytes: int = 4 << 30,
+                 num_loader_threads: int = 2) -> None:
+        self.source = source
+        self.config = config
+        self.pager = pager
+        self.pools = pools  # [num_layers, num_pages, page_elems]
+        self.page_elems = pools.shape[2]
+        self.max_rank = max_rank
+        self.host_cache_bytes = host_cache_bytes
+        self._pin = pools.device.type == "cuda"
+        self._lock = threading.Lock()
+        self._host: OrderedDict[str, HostAdapter] = OrderedDict()  # LRU, oldest first
+        self._host_bytes = 0
+        self._loading: set[str] = set()
+        self._failed: dict[str, str] = {}
+        self._resident: dict[str, ResidentAdapter] = {}
+        # Host adapters found ready during this step's scheduling, held so that the loader
+        # thread's host-cache evictions cannot drop one between ready() and acquire().
+        self._staged: dict[str, HostAdapter] = {}
+        self._pool = ThreadPoolExecutor(num_loader_threads, thread_name_prefix="adapter-load")
+        self._copy_stream = torch.cuda.Stream(pools.device) if self._pin else None
+        self._pending_copies: list[Any] = []
+        self.counters = {"loads": 0, "load_seconds": 0.0, "load_failures": 0, "host_hits": 0,
+                         "host_misses": 0, "device_hits": 0, "device_misses": 0,
+                         "evictions": 0}
+        pager.on_evict(PageKind.ADAPTER, self._on_evict)
+
+    # -- the host tier and the loader --------------------------------------------------------
+    def prefetch(self, digest: str) -> None:
+        """Start loading ``digest`` into the host cache unless it is there or on its way."""
+        with self._lock:
+            if digest in self._resident or digest in self._host or digest in self._loading:
+                return
+            self._loading.add(digest)
+            self.counters["host_misses"] += 1
+        self._pool.submit(self._load, digest)
+
+    def _load(self, digest: str) -> None:
+        start = time.perf_counter()
+        try:
+            adapter = self.source.fetch(digest)
+            if getattr(adapter, "digest", digest) != digest:
+                raise ValueError(f"source returned adapter {adapter.digest[:12]} for {digest[:12]}")
+            host = flatten_adapter(adapter, self.config, self.pools.dtype, self.max_rank,
+                                   pin=self._pin)
+        except Exception as exc:  # any failure fails only this adapter's requests
+            logger.warning("adapter %s failed to load: %s", digest[:12], exc)
+            with self._lock:
+                self._loading.discard(digest)
+                self._failed[digest] = f"adapter {digest[:12]} failed to load: {exc}"
+                self.counters["load_failures"] += 1
+            return
+        with self._lock:
+            self._loading.discard(digest)
+            self._host[digest] = host
+            self._host_bytes += host.nbytes
+            while self._host_bytes > self.host_cache_bytes and len(self._host) > 1:
+                _, old = self._host.popitem(last=False)
+                self._host_bytes -= old.nbytes
+            self.counters["loads"] += 1
+            self.counters["load_seconds"] += time.perf_counter() - start
+
+    def take_failures(self) -> dict[str, str]:
+        """Digests whose load failed since the last call, with the reason (then forgotten,
+        so a later request retries the load)."""
+        with self._lock:
+            failed, self._failed = self._failed, {}
+        return failed
+
+    # -- AdmissionGate ---------------------------------------------------------------------------
+    def ready(self, request: Request) -> bool:
+        digest = request.adapter_digest
+        if digest is None or digest in self._resident:
+            return True
+        with self._lock:
+            host = self._host.get(digest)
+        if host is not None:
+            self._staged[digest] = host
+            return True
+        self.prefetch(digest)
+        return False
+
+    def host_pages(self, digest: str) -> int | None:
+        """Pages the adapter will take in the pool, once it is in the host cache."""
+        with self._lock:
+            host = self._host.get(digest)
+        return host.layout.num_pages(self.page_elems) if host is not None else None
+
+    def begin_step(self) -> None:
+        """Forget last step's staged host adapters."""
+        self._staged.clear()
+
+    def pages_needed(self, request: Request) -> int:
+        """Pages admission must find for the adapter: its size unless already pinned (an
+        unpinned resident adapter's pages count as allocatable until it is pinned)."""
+        digest = request.adapter_digest
+        if digest is None:
+            return 0
+        if digest in self._resident:
+            resident = self._resident[digest]
+            return 0 if self.pager.pins(digest) else len(resident.pages)
+        host = self._staged.get(digest)
+        return host.layout.num_pages(self.page_elems) if host is not None else 0
+
+    def acquire(self, request: Request) -> None:
+        """Pin the request's adapter in the pool, copying it in from the host cache if needed."""
+        digest = request.adapter_digest
+        if digest is None:
+            return
+        if digest in self._resident:
+            self.pager.pin(digest)
+            self.counters["device_hits"] += 1
+            return
+        self.counters["device_misses"] += 1
+        host = self._staged.pop(digest, None)
+        if host is None:
+            raise RuntimeError(f"adapter {digest[:12]} was admitted without ready()")
+        with self._lock:
+            if digest in self._host:
+                self._host.move_to_end(digest)
+        self.counters["host_hits"] += 1
+        pages = self.pager.add_entry(digest, PageKind.ADAPTER,
+                                     host.layout.num_pages(self.page_elems))
+        self._copy_in(host, pages)
+        self._resident[digest] = ResidentAdapter(digest, host.layout, host.scale, tuple(pages))
+
+    def release(self, request: Request) -> None:
+        if request.adapter_digest is not None and request.adapter_digest in self._resident:
+            self.pager.unpin(request.adapter_digest)
+
+    def _copy_in(self, host: HostAdapter, pages: list[int]) -> None:
+        # Page-sized contiguous chunks: one copy per page for all layers at once.
+        stream_ctx = (torch.cuda.stream(self._copy_stream) if self._copy_stream is not None
+                      else _nullcontext())
+        with stream_ctx:
+            n, e = host.layout.num_elems, self.page_elems
+            for k, page in enumerate(pages):
+                chunk = host.flat[:, k * e:min((k + 1) * e, n)]
+                self.pools[:, page, :chunk.shape[1]].copy_(chunk, non_blocking=self._pin)
+            if self._copy_stream is not None:
+                event = torch.cuda.Event()
+                event.record(self._copy_stream)
+                self._pending_copies.append(event)
+
+    def wait_for_copies(self) -> None:
+        """Make the compute stream wait for adapter copies issued since the last step."""
+        for event in self._pending_copies:
+            torch.cuda.current_stream(self.pools.device).wait_event(event)
+        self._pending_copies.clear()
+
+    def _on_evict(self, digest: Any) -> None:
+        self._resident.pop(digest, None)
+        self.counters["evictions"] += 1
+
+    def resident(self, digest: str) -> ResidentAdapter:
+        return self._resident[digest]
+
+    def resident_digests(self) -> tuple[str, ...]:
+        return tuple(self._resident)
+
+    def host_digests(self) -> tuple[str, ...]:
+        with self._lock:
+            return tuple(self._host)
+
+    def is_loading(self, digest: str) -> bool:
+        with self._lock:
+            return digest in self._loading
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
