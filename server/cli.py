@@ -35,21 +35,51 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long-prefill-token-threshold", type=int,
                         default=s.long_prefill_token_threshold)
     parser.add_argument("--max-adapters-per-step", type=int, default=s.max_adapters_per_step)
+    parser.add_argument("--scheduling", default=s.scheduling, choices=["fcfs", "vtc"])
+    parser.add_argument("--vtc-input-weight", type=float, default=s.vtc_input_weight)
+    parser.add_argument("--vtc-output-weight", type=float, default=s.vtc_output_weight)
+    parser.add_argument("--tenant-weights", default="",
+                        help="tenant=weight pairs, comma-separated (vtc)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=d.enable_prefix_caching)
+    parser.add_argument("--share-prefix-across-tenants", action=argparse.BooleanOptionalAction,
+                        default=d.share_prefix_across_tenants)
     parser.add_argument("--host-cache-bytes", type=int, default=d.host_cache_bytes)
     parser.add_argument("--seed", type=int, default=d.seed)
+
+
+def parse_tenant_weights(text: str) -> tuple[tuple[str, float], ...]:
+    """``"a=2,b=0.5"`` -> ``(("a", 2.0), ("b", 0.5))``; ``ValueError`` names a bad pair."""
+    pairs = []
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        tenant, sep, weight = item.partition("=")
+        try:
+            value = float(weight)
+        except ValueError:
+            value = float("nan")
+        if not sep or not tenant or not value > 0:
+            raise ValueError(f"tenant_weights: {item!r} is not tenant=positive-number")
+        pairs.append((tenant, value))
+    return tuple(pairs)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     sched = SchedulerConfig(page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens,
                             long_prefill_token_threshold=args.long_prefill_token_threshold,
-                            max_adapters_per_step=args.max_adapters_per_step)
+                            max_adapters_per_step=args.max_adapters_per_step,
+                            scheduling=args.scheduling,
+                            vtc_input_weight=args.vtc_input_weight,
+                            vtc_output_weight=args.vtc_output_weight,
+                            tenant_weights=parse_tenant_weights(args.tenant_weights))
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                         kernels=args.kernels, num_pages=args.num_pages,
                         pool_memory_bytes=args.pool_memory_bytes,
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         max_model_len=args.max_model_len, max_rank=args.max_rank,
                         host_cache_bytes=args.host_cache_bytes,
+                        enable_prefix_caching=args.enable_prefix_caching,
+                        share_prefix_across_tenants=args.share_prefix_across_tenants,
                         seed=args.seed, scheduler=sched)
 
 

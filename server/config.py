@@ -21,6 +21,10 @@ class SchedulerConfig:
             (0: only the step budget limits it).
         max_adapters_per_step: distinct adapters among running requests at most (0: no cap);
             a request for another adapter waits, without blocking those behind it.
+        scheduling: ``fcfs`` (arrival order) or ``vtc`` (fair across tenants: the Virtual
+            Token Counter admits the backlogged tenant that has been served least).
+        vtc_input_weight / vtc_output_weight: cost of a prompt / an output token under vtc.
+        tenant_weights: (tenant, weight) pairs; a tenant of weight 2 gets twice the service.
     """
 
     page_size: int = 16
@@ -28,6 +32,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 0
     max_adapters_per_step: int = 0
+    scheduling: str = "fcfs"
+    vtc_input_weight: float = 1.0
+    vtc_output_weight: float = 2.0
+    tenant_weights: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -37,6 +45,14 @@ class SchedulerConfig:
             raise ValueError("long_prefill_token_threshold: must be >= 0")
         if self.max_adapters_per_step < 0:
             raise ValueError("max_adapters_per_step: must be >= 0")
+        if self.scheduling not in ("fcfs", "vtc"):
+            raise ValueError(f"scheduling: {self.scheduling!r} is not fcfs or vtc")
+        if self.vtc_input_weight < 0 or self.vtc_output_weight < 0:
+            raise ValueError("vtc_input_weight / vtc_output_weight: must be >= 0")
+        object.__setattr__(self, "tenant_weights", tuple(
+            (str(t), float(w)) for t, w in dict(self.tenant_weights).items()))
+        if any(w <= 0 for _, w in self.tenant_weights):
+            raise ValueError("tenant_weights: every weight must be > 0")
 
 
 @dataclass(frozen=True)
@@ -55,6 +71,10 @@ class EngineConfig:
         kernels: ``auto`` (Triton on CUDA, torch on CPU), ``torch`` or ``triton``.
         max_rank: largest adapter rank served.
         host_cache_bytes: CPU memory for decoded adapters (LRU by bytes).
+        enable_prefix_caching: reuse full KV pages of earlier requests with the same prefix
+            (same base model, adapter and tenant).
+        share_prefix_across_tenants: one cache scope for every tenant (public system prompts);
+            off by default, so tenants never share pages.
         seed: seeds requests that bring no seed of their own.
     """
 
@@ -69,6 +89,8 @@ class EngineConfig:
     kernels: str = "auto"
     max_rank: int = 64
     host_cache_bytes: int = 4 << 30
+    enable_prefix_caching: bool = True
+    share_prefix_across_tenants: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:

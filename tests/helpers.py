@@ -156,3 +156,11 @@ def peft_greedy(model_dir: Path, adapter_paths: dict[str, Path], prompts: list[l
                     raise AssertionError("near-tied logits: pick another seed")
             outputs.append(out.sequences[0, len(prompt):].tolist())
     return outputs
+
+
+def assert_pages_idle(engine) -> None:
+    """No request holds a page: no KV, no pinned entry (cached prefixes and adapters may stay
+    resident, but every one of their pages is evictable)."""
+    s = engine.pager.stats()
+    assert s.num_kv == 0, s
+    assert s.num_free + s.num_evictable == s.num_pages, s

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,8 +20,9 @@ from loraplex.server.engine.adapter_cache import AdapterManager, AdapterSource
 from loraplex.server.engine.model_runner import ModelRunner
 from loraplex.server.engine.models.config import ModelConfig, parse_dtype
 from loraplex.server.engine.models.demo import demo_model_path
-from loraplex.server.engine.models.loader import load_weights
+from loraplex.server.engine.models.loader import load_weights, model_revision
 from loraplex.server.engine.pager import Pager, PagerStats
+from loraplex.server.engine.prefix_cache import PrefixCache
 from loraplex.server.engine.request import (
     Request,
     RequestOutput,
@@ -55,6 +56,8 @@ class EngineStats:
     device_hits: int = 0
     device_misses: int = 0
     adapter_evictions: int = 0
+    prefix_queried_tokens: dict[str, int] = field(default_factory=dict)  # by tenant
+    prefix_hit_tokens: dict[str, int] = field(default_factory=dict)  # by tenant
 
 
 def resolve_model_path(model: str) -> str:
@@ -95,7 +98,13 @@ class Engine:
         if adapter_source is not None:
             self.adapters = AdapterManager(adapter_source, self.model_config, self.pager, pools,
                                            config.max_rank, config.host_cache_bytes)
-        self.scheduler = Scheduler(config.scheduler, self.pager, self.adapters)
+        self.base_revision = model_revision(self.model_path)
+        self.prefix_cache: PrefixCache | None = None
+        if config.enable_prefix_caching:
+            self.prefix_cache = PrefixCache(self.pager, config.page_size, self.base_revision,
+                                            config.share_prefix_across_tenants)
+        self.scheduler = Scheduler(config.scheduler, self.pager, self.adapters,
+                                   self.prefix_cache)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -219,6 +228,8 @@ class Engine:
             req.num_computed_tokens += n
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
+            if self.prefix_cache is not None:
+                self.prefix_cache.register(req)
         if run.sampling_requests:
             token_ids, logprobs = sample(run.logits, run.sampling_requests)
             for req, token, lp in zip(run.sampling_requests, token_ids, logprobs):
@@ -298,6 +309,11 @@ class Engine:
                 adapter_load_failures=int(c["load_failures"]), host_hits=int(c["host_hits"]),
                 host_misses=int(c["host_misses"]), device_hits=int(c["device_hits"]),
                 device_misses=int(c["device_misses"]), adapter_evictions=int(c["evictions"]))
+        prefix_fields = {}
+        if self.prefix_cache is not None:
+            p = self.prefix_cache.stats()
+            prefix_fields = dict(prefix_queried_tokens=p.queried_tokens,
+                                 prefix_hit_tokens=p.hit_tokens)
         return EngineStats(self.scheduler.num_waiting, self.scheduler.num_running,
                            self.scheduler.num_preemptions, self.pager.stats(), self._num_steps,
-                           **adapter_fields)
+                           **adapter_fields, **prefix_fields)

@@ -61,6 +61,7 @@ class Pager:
         self._kind = [PageKind.FREE] * num_pages
         self._refs = [0] * num_pages
         self._entries: dict[Hashable, _Entry] = {}
+        self._page_entry: dict[int, Hashable] = {}  # page -> key, for one-page entries
         self._lru: OrderedDict[Hashable, None] = OrderedDict()  # unpinned entries, oldest first
         self._num_evictable = 0
         self._num_evictions = 0
@@ -102,8 +103,14 @@ class Pager:
             self._refs[p] += 1
 
     def free(self, page_ids: list[int]) -> None:
-        """Drop one reference to each page; pages nobody references return to the pool."""
+        """Drop one reference to each page; pages nobody references return to the pool.
+        A page that became a one-page entry (a cached prefix page) is unpinned instead, and
+        stays resident until evicted."""
         for p in page_ids:
+            key = self._page_entry.get(p)
+            if key is not None:
+                self.unpin(key)
+                continue
             if self._refs[p] <= 0:
                 raise ValueError(f"page {p} freed twice")
             self._refs[p] -= 1
@@ -131,6 +138,20 @@ class Pager:
             self._lru[key] = None
             self._num_evictable += num_pages
         return list(pages)
+
+    def promote(self, page: int, key: Hashable, kind: PageKind = PageKind.PREFIX) -> None:
+        """Turn one KV page held by a single request into a one-page entry pinned by that
+        request (a cached prefix page): later ``free`` of the page unpins it, and once no
+        request holds it, it stays cached until evicted."""
+        if key in self._entries:
+            raise ValueError(f"entry {key!r} exists")
+        if self._refs[page] != 1 or self._kind[page] is not PageKind.KV:
+            raise ValueError(f"page {page} is not a KV page with one holder")
+        self._counts[PageKind.KV] -= 1
+        self._counts[kind] += 1
+        self._kind[page] = kind
+        self._entries[key] = _Entry(kind, [page], 1)
+        self._page_entry[page] = key
 
     def has_entry(self, key: Hashable) -> bool:
         return key in self._entries
@@ -165,7 +186,7 @@ class Pager:
         del self._lru[key]
         self._num_evictable -= len(entry.pages)
         del self._entries[key]
-        self.free(entry.pages)
+        self._release_entry_pages(entry)
 
     def lru_keys(self) -> list[Hashable]:
         """Unpinned entries, least recently used first."""
@@ -176,10 +197,15 @@ class Pager:
         entry = self._entries.pop(key)
         self._num_evictable -= len(entry.pages)
         self._num_evictions += 1
-        self.free(entry.pages)
+        self._release_entry_pages(entry)
         callback = self._on_evict.get(entry.kind)
         if callback is not None:
             callback(key)
+
+    def _release_entry_pages(self, entry: _Entry) -> None:
+        for p in entry.pages:
+            self._page_entry.pop(p, None)
+        self.free(entry.pages)
 
     def stats(self) -> PagerStats:
         c = self._counts

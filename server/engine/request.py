@@ -115,6 +115,7 @@ class Request:
     page_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     num_cached_tokens: int = 0
+    num_charged_tokens: int = 0  # tokens counted as service for fairness (never twice)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     error: str | None = None
@@ -159,4 +160,5 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    num_charged_tokens: int = 0  # tokens counted as service for fairness (never twice)
     error: str | None = None

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from loraplex.server.config import SchedulerConfig
+from loraplex.server.engine.fairness import VirtualTokenCounter
 from loraplex.server.engine.pager import Pager
+from loraplex.server.engine.prefix_cache import PrefixCache
 from loraplex.server.engine.request import Request, RequestStatus
 
 
@@ -51,16 +53,44 @@ class Scheduler:
     """Decides, each step, which requests advance by how many tokens."""
 
     def __init__(self, config: SchedulerConfig, pager: Pager,
-                 gate: AdmissionGate | None = None) -> None:
+                 gate: AdmissionGate | None = None,
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.config = config
         self.pager = pager
         self.gate = gate
+        self.prefix_cache = prefix_cache
+        self.vtc: VirtualTokenCounter | None = None
+        if config.scheduling == "vtc":
+            self.vtc = VirtualTokenCounter(config.vtc_input_weight, config.vtc_output_weight,
+                                           dict(config.tenant_weights))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
+        if self.vtc is not None:
+            active = {r.tenant for r in self.running} | {r.tenant for r in self.waiting}
+            self.vtc.on_arrival(request.tenant, active)
         self.waiting.append(request)
+
+    def _next_waiting(self, passed: set[str]) -> Request | None:
+        candidates = (r for r in self.waiting if r.request_id not in passed)
+        if self.vtc is not None:
+            return self.vtc.pick(candidates)
+        return next(candidates, None)
+
+    def _charge(self, request: Request, num_new_tokens: int) -> None:
+        # Service counts once per position: recomputing after preemption is not new service.
+        if self.vtc is None:
+            return
+        end = request.num_computed_tokens + num_new_tokens
+        start = max(request.num_charged_tokens, request.num_computed_tokens)
+        if end <= start:
+            return
+        prompt = request.num_prompt_tokens
+        num_input = max(min(end, prompt) - start, 0)
+        self.vtc.charge(request.tenant, num_input, end - start - num_input)
+        request.num_charged_tokens = end
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -103,30 +133,40 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 break
             req.page_ids.extend(self.pager.allocate(need))
+            self._charge(req, n)
             scheduled.append(req)
             counts.append(n)
             budget -= n
             i += 1
 
-        skipped: list[Request] = []
+        passed: set[str] = set()  # waiting requests passed over this step, keeping their place
         cap = self.config.max_adapters_per_step
         active = {r.adapter_digest for r in self.running if r.adapter_digest} if cap else set()
-        while (not preempted and self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
-            req = self.waiting[0]
+        while not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self._next_waiting(passed)
+            if req is None:
+                break
             if self.gate is not None and not self.gate.ready(req):
-                skipped.append(self.waiting.popleft())  # its adapter is still loading
+                passed.add(req.request_id)  # its adapter is still loading
                 continue
             digest = req.adapter_digest
             if cap and digest and digest not in active and len(active) >= cap:
-                skipped.append(self.waiting.popleft())  # over the distinct-adapter cap
+                passed.add(req.request_id)  # over the distinct-adapter cap
                 continue
+            matched = self.prefix_cache.match(req) if self.prefix_cache is not None else []
+            req.page_ids = matched
+            req.num_computed_tokens = len(matched) * self.config.page_size
             n = self._chunk(req, budget)
             need = self._pages_for(req, req.num_computed_tokens + n)
             extra = self.gate.pages_needed(req) if self.gate is not None else 0
             if not self.pager.can_allocate(need + extra):
+                if matched:
+                    self.pager.free(matched)
+                    req.page_ids, req.num_computed_tokens = [], 0
                 break
-            self.waiting.popleft()
+            if self.prefix_cache is not None:
+                self.prefix_cache.record_admission(req, req.num_computed_tokens)
+            self.waiting.remove(req)
             if self.gate is not None:
                 self.gate.acquire(req)
             req.page_ids.extend(self.pager.allocate(need))
@@ -134,22 +174,24 @@ class Scheduler:
             self.running.append(req)
             if cap and digest:
                 active.add(digest)
+            self._charge(req, n)  # at once, so the next pick sees this admission
             scheduled.append(req)
             counts.append(n)
             budget -= n
-        self.waiting.extendleft(reversed(skipped))
         return ScheduledBatch(scheduled, counts, preempted)
 
     def _preempt(self, request: Request) -> None:
         # Recompute: drop the KV, keep the tokens; the request re-enters at the queue's head.
-        self._release(request)
+        self._release(request, finished=False)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _release(self, request: Request) -> None:
+    def _release(self, request: Request, finished: bool) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget(request, finished)
         if request.page_ids:
             self.pager.free(request.page_ids)
             request.page_ids = []
@@ -162,7 +204,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self._release(request)
+        self._release(request, finished=True)
         request.status = status
 
     def finish_many(self, requests: Iterable[Request], status: RequestStatus) -> None:

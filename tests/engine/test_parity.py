@@ -7,7 +7,7 @@ import pytest
 from loraplex.server.config import EngineConfig, SchedulerConfig
 from loraplex.server.engine.engine import Engine
 from loraplex.server.engine.request import SamplingParams
-from tests.helpers import hf_greedy, make_model, random_prompts
+from tests.helpers import assert_pages_idle, hf_greedy, make_model, random_prompts
 
 
 def run_staggered(engine: Engine, prompts, max_tokens, arrivals):
@@ -64,7 +64,7 @@ def test_sixteen_staggered_requests(llama, sixteen):
                                                            max_num_batched_tokens=96)))
     arrivals = [(i * 3) % 11 for i in range(16)]
     assert run_staggered(engine, prompts, max_tokens, arrivals) == expected
-    assert engine.pager.stats().num_free == engine.pager.num_pages
+    assert_pages_idle(engine)
 
 
 def test_prefill_chunks_smaller_than_prompt(llama, sixteen):
@@ -81,4 +81,4 @@ def test_preemption_keeps_outputs(llama, sixteen):
                                                            max_num_batched_tokens=128)))
     assert run_staggered(engine, prompts, max_tokens, [0] * 16) == expected
     assert engine.stats().num_preemptions > 0
-    assert engine.pager.stats().num_free == engine.pager.num_pages
+    assert_pages_idle(engine)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from pathlib import Path
@@ -75,3 +76,16 @@ def load_weights(path: str | Path, config: ModelConfig, dtype: torch.dtype,
     if leftover:
         logger.warning("%s: %d unused weights, e.g. %s", path, len(leftover), leftover[:3])
     return LlamaModel(config, embed, layers, norm, lm_head)
+
+
+def model_revision(path: str | Path) -> str:
+    """The base model's identity for cache keys: sha256 of config.json and every weight file's
+    bytes (never its path, so two copies agree and a changed checkpoint never does)."""
+    path = Path(path)
+    h = hashlib.sha256()
+    for file in [path / "config.json", *_weight_files(path)]:
+        h.update(file.name.encode() + b"\0")
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+    return h.hexdigest()
