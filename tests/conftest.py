@@ -11,6 +11,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Triton kernels run under the interpreter when there is no GPU; it must be set before any
+# kernel module is imported (the engine imports them lazily with --kernels triton).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
