@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 serve: install
-	$(VENV)/bin/loraplex run --model demo
+	$(VENV)/bin/loraplex serve --model demo
 
 test: install
 	$(PY) -m pytest -q -ra --durations=20 $(PYTEST_ARGS)

@@ -189,7 +189,7 @@ class Engine:
         return self.scheduler.has_unfinished() or not self._inbox.empty()
 
     def _drain_inbox(self) -> list[RequestOutput]:
-        outputs = []
+        outputs: list[RequestOutput] = []
         while True:
             try:
                 kind, item = self._inbox.get_nowait()

@@ -24,7 +24,7 @@ class Tokenizer:
         return list(self._tok(text)["input_ids"])
 
     def decode(self, token_ids: list[int]) -> str:
-        return self._tok.decode(token_ids, skip_special_tokens=True)
+        return str(self._tok.decode(token_ids, skip_special_tokens=True))
 
 
 class Detokenizer:

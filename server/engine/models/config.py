@@ -115,11 +115,11 @@ class ModelConfig:
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from a parsed ``config.json``; unsupported models raise ``ValueError``."""
         archs = cfg.get("architectures") or []
-        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES),
-                    None)
+        arch: str | None = next(
+            (SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             model_type = cfg.get("model_type")
-            if model_type in SUPPORTED_ARCHITECTURES.values():
+            if isinstance(model_type, str) and model_type in SUPPORTED_ARCHITECTURES.values():
                 arch = model_type
             else:
                 raise ValueError(f"config.json: architectures {archs} / model_type "

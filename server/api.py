@@ -1,0 +1,162 @@
+"""The service's messages as dataclasses: what ``convert.py`` makes of the protobuf messages of
+``proto/loraplex/v1`` and back. The gateway, the workers and the client speak only these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+
+from loraplex.server.engine.request import SamplingParams, TokenLogprob
+
+# Finish reasons a stream can end with; "abort" and "error" become gRPC statuses instead.
+FINISH_REASONS = ("stop", "length")
+
+
+class ServiceError(Exception):
+    """A call ends with this gRPC status code and message.
+
+    Raised by the gateway and worker implementations (the conversion layer turns it into the
+    call's status) and by the client (from the status the server sent).
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A public generation request.
+
+    Attributes:
+        prompt: text, or token ids.
+        params: sampling parameters.
+        adapter: ``"name"``, ``"name@version"`` or ``""`` for the base model.
+        request_id: echoed back in every chunk; the gateway assigns one when empty.
+    """
+
+    prompt: str | tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    adapter: str = ""
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class WorkerRequest:
+    """A generation request as the gateway hands it to a worker: the adapter is resolved to its
+    digest and the tenant rides along (prefix-cache keys, fairness, metrics)."""
+
+    request_id: str
+    tenant: str
+    prompt: str | tuple[int, ...]
+    params: SamplingParams
+    adapter_digest: str | None = None
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds: queued at the worker, until the first token, until the last token."""
+
+    queue_seconds: float = 0.0
+    ttft_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+
+@dataclass
+class GenerateChunk:
+    """One step's new tokens of a request; the last chunk has a finish reason, usage and
+    timing."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" on the last chunk
+    usage: Usage | None = None
+    timing: Timing | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Completion:
+    """A whole generation (the unary ``Generate`` response, or a stream gathered up)."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage = field(default_factory=Usage)
+    timing: Timing = field(default_factory=Timing)
+
+    def add(self, chunk: GenerateChunk) -> None:
+        """Append a chunk of the same request."""
+        self.token_ids.extend(chunk.token_ids)
+        self.text += chunk.text
+        self.logprobs.extend(chunk.logprobs)
+        if chunk.finish_reason is not None:
+            self.finish_reason = chunk.finish_reason
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+        if chunk.timing is not None:
+            self.timing = chunk.timing
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """A worker's report to the gateway's router (see ``worker.proto``)."""
+
+    worker_id: str
+    serving: bool
+    queue_depth: int
+    num_running: int
+    max_queue: int
+    num_pages: int = 0
+    num_free_pages: int = 0
+    num_kv_pages: int = 0
+    num_adapter_pages: int = 0
+    resident_adapters: tuple[str, ...] = ()
+    host_adapters: tuple[str, ...] = ()
+    max_model_len: int = 0
+
+
+@dataclass(frozen=True)
+class UploadMetadata:
+    """The first message of an upload: the name to store under (and, for admins, a tenant)."""
+
+    name: str
+    tenant: str = ""
+    uploader: str = ""
+
+
+@dataclass(frozen=True)
+class FileHeader:
+    """Announces one uploaded file; ``size`` bytes of chunks follow."""
+
+    name: str
+    size: int
+    sha256: str
+
+
+UploadPart = UploadMetadata | FileHeader | bytes
+
+
+@dataclass(frozen=True)
+class AdapterQuery:
+    """``List`` / ``Get`` / ``Delete``: ``ref`` is ``name`` or ``name@version`` (a name filter
+    for ``List``, empty for all); ``tenant`` empty means the caller's."""
+
+    ref: str = ""
+    tenant: str = ""

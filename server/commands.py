@@ -1,0 +1,312 @@
+"""``loraplex serve | gateway | worker | generate | demo-adapter``, and ``--server`` for
+``loraplex adapters push``.
+
+Every flag of ``serve``, ``gateway`` and ``worker`` (engine flags included) also reads its
+default from ``LORAPLEX_<FLAG>``: ``--max-num-seqs`` <-> ``LORAPLEX_MAX_NUM_SEQS``; a flag on
+the command line wins. docs/service.md has the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from loraplex.server import env
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+DEFAULT_SERVER = "127.0.0.1:50051"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the service commands to the ``loraplex`` parser (after ``adapters``, whose
+    ``push`` gains ``--server``)."""
+    from loraplex.server.cli import add_engine_args
+
+    serve = subparsers.add_parser(
+        "serve", help="gateway and one worker in one process (demo model by default)",
+        description="Serve the public API on --host:--port with one in-process worker.")
+    add_engine_args(serve)
+    _add_listen_args(serve, port=50051, metrics_port=9400)
+    _add_store_arg(serve)
+    _add_key_args(serve)
+    _add_limit_args(serve, with_rank=False)
+    serve.add_argument("--max-queue", type=int, default=256,
+                       help="requests waiting in the worker at most (RESOURCE_EXHAUSTED beyond)")
+    _add_drain_arg(serve)
+    serve.set_defaults(func=_run_async("serve"))
+    _apply_env(serve)
+
+    gateway = subparsers.add_parser(
+        "gateway", help="the public API in front of workers",
+        description="Route the public API to workers with adapter affinity.")
+    _add_listen_args(gateway, port=50051, metrics_port=9400)
+    gateway.add_argument("--workers", default="",
+                         help="HOST:PORT,... or a DNS name resolving to many (headless service)")
+    gateway.add_argument("--model", default="demo",
+                         help="the base model (a directory with config.json, or 'demo') that "
+                              "uploaded adapters must fit")
+    _add_store_arg(gateway)
+    _add_key_args(gateway)
+    _add_limit_args(gateway, with_rank=True)
+    gateway.add_argument("--load-factor", type=float, default=1.25,
+                         help="a worker's load may exceed the mean by this factor before "
+                              "requests for its adapters spill to others (>= 1)")
+    gateway.add_argument("--status-interval", type=float, default=0.2,
+                         help="seconds between Status polls of each worker (<= 0.25)")
+    gateway.add_argument("--dns-refresh", type=float, default=5.0,
+                         help="seconds between DNS lookups of worker names")
+    _add_drain_arg(gateway)
+    gateway.set_defaults(func=_run_async("gateway"))
+    _apply_env(gateway)
+
+    worker = subparsers.add_parser(
+        "worker", help="one engine behind the internal Worker API",
+        description="Serve the internal Worker API for gateways.")
+    add_engine_args(worker)
+    _add_listen_args(worker, port=50061, metrics_port=9401)
+    _add_store_arg(worker)
+    worker.add_argument("--max-queue", type=int, default=256,
+                        help="requests waiting at most (RESOURCE_EXHAUSTED beyond)")
+    worker.add_argument("--worker-id", default="", help="name in Status and logs "
+                        "(default hostname:port)")
+    _add_drain_arg(worker)
+    worker.set_defaults(func=_run_async("worker"))
+    _apply_env(worker)
+
+    generate = subparsers.add_parser(
+        "generate", help="stream a completion from a server to the terminal")
+    generate.add_argument("prompt")
+    generate.add_argument("--server", default=env.get("SERVER", DEFAULT_SERVER),
+                          help="the gateway's HOST:PORT (env LORAPLEX_SERVER)")
+    generate.add_argument("--adapter", default="", help="NAME or NAME@VERSION (default: base)")
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--stop", action="append", default=[], help="a stop string "
+                          "(repeatable)")
+    generate.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    generate.add_argument("--api-key", default=None, help="(env LORAPLEX_API_KEY)")
+    generate.set_defaults(func=_generate)
+
+    demo = subparsers.add_parser(
+        "demo-adapter", help="write a random PEFT LoRA adapter for a base model (for trying "
+        "uploads and adapters on the demo model)")
+    demo.add_argument("dir", help="the directory to create")
+    demo.add_argument("--model", default="demo", help="a directory with config.json, or 'demo'")
+    demo.add_argument("--rank", type=int, default=8)
+    demo.add_argument("--targets", default="q_proj,v_proj", help="comma-separated modules")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(func=_demo_adapter)
+
+    _extend_adapters_push(subparsers)
+
+
+# -- flags ----------------------------------------------------------------------------------------
+def _add_listen_args(parser: argparse.ArgumentParser, port: int, metrics_port: int) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=port, help="gRPC port (0: any free port)")
+    parser.add_argument("--metrics-port", type=int, default=metrics_port,
+                        help="Prometheus /metrics port (0: any free port, -1: none)")
+
+
+def _add_store_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--store", default="", help="fs:PATH, redis://... or rediss://... "
+                        "(default fs:$LORAPLEX_DATA_DIR/store)")
+
+
+def _add_key_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--api-keys", default=None, metavar="FILE",
+                        help="API key file: 'SHA256 TENANT [admin]' per line, re-read on "
+                             "change and SIGHUP (none: keyless, localhost only)")
+    parser.add_argument("--api-key-hashes", default=None, metavar="ENTRIES",
+                        help="key entries given inline, separated by ';' or newlines")
+    parser.add_argument("--allow-unauthenticated", action="store_true",
+                        help="serve a non-loopback address without API keys")
+
+
+def _add_limit_args(parser: argparse.ArgumentParser, with_rank: bool) -> None:
+    parser.add_argument("--max-prompt-bytes", type=int, default=1 << 20)
+    parser.add_argument("--max-prompt-tokens", type=int, default=1 << 17)
+    parser.add_argument("--max-tokens-limit", type=int, default=32768,
+                        help="the largest max_tokens a request may ask for")
+    parser.add_argument("--max-upload-bytes", type=int, default=2 << 30,
+                        help="the largest adapter weights file accepted")
+    if with_rank:
+        parser.add_argument("--max-rank", type=int, default=64,
+                            help="the largest adapter rank accepted")
+
+
+def _add_drain_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--drain-grace", type=float, default=30.0,
+                        help="seconds in-flight requests may finish after SIGTERM")
+
+
+def _apply_env(parser: argparse.ArgumentParser) -> None:
+    """``LORAPLEX_<DEST>`` sets each flag's default. Typed values are converted by argparse
+    (so a bad number is a usage error); bad booleans and choices are reported when the
+    command runs."""
+    errors = []
+    for action in parser._actions:
+        if not action.option_strings or action.dest in ("help", "func"):
+            continue
+        value = env.get(action.dest)
+        if value is None:
+            continue
+        name = f"LORAPLEX_{action.dest.upper()}"
+        if action.nargs == 0:
+            if value.lower() in _TRUE + _FALSE:
+                action.default = value.lower() in _TRUE
+            else:
+                errors.append(f"{name}: {value!r} is not true or false")
+        elif action.choices is not None and value not in action.choices:
+            errors.append(f"{name}: {value!r} is not one of {sorted(action.choices)}")
+        else:
+            action.default = value
+    parser.set_defaults(env_errors=errors)
+
+
+def _check_env(args: argparse.Namespace) -> None:
+    if getattr(args, "env_errors", None):
+        raise ValueError("; ".join(args.env_errors))
+
+
+def _run_async(command: str) -> Callable[[argparse.Namespace], int]:
+    """The ``func`` of a server command: ``launch.<command>(args)`` on a fresh event loop."""
+    def run(args: argparse.Namespace) -> int:
+        _check_env(args)
+        from loraplex.server import launch
+
+        return asyncio.run(getattr(launch, command)(args))
+    return run
+
+
+# -- clients --------------------------------------------------------------------------------------
+def _generate(args: argparse.Namespace) -> int:
+    from loraplex.server.client import Client, ServiceError
+
+    with Client(args.server, api_key=args.api_key, timeout=args.timeout) as client:
+        try:
+            last = None
+            for chunk in client.generate_stream(
+                    args.prompt, args.adapter, max_tokens=args.max_tokens,
+                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                    seed=args.seed, stop=tuple(args.stop)):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                last = chunk
+        except ServiceError as exc:
+            print(f"\nloraplex generate: {exc.code.name}: {exc.message}", file=sys.stderr)
+            return 1
+    print()
+    if last is not None and last.usage is not None and last.timing is not None:
+        print(f"[{last.finish_reason}: {last.usage.prompt_tokens} prompt + "
+              f"{last.usage.completion_tokens} completion tokens, TTFT "
+              f"{last.timing.ttft_seconds * 1000:.0f} ms, total "
+              f"{last.timing.total_seconds:.2f} s]", file=sys.stderr)
+    return 0
+
+
+def write_demo_adapter(path: str | Path, model: str = "demo", rank: int = 8,
+                       targets: tuple[str, ...] = ("q_proj", "v_proj"), seed: int = 0,
+                       std: float = 0.1) -> Path:
+    """Write a random PEFT LoRA adapter (``adapter_config.json`` +
+    ``adapter_model.safetensors``) that fits the base model ``model``.
+
+    Raises:
+        ValueError: an unknown target module, or ``path`` exists and is not empty.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    from loraplex.adapter_store.cli import base_model_config
+    from loraplex.adapter_store.format import peft_key
+
+    base = base_model_config(model)
+    shapes = base.module_shapes()
+    for module in targets:
+        if module not in shapes:
+            raise ValueError(f"targets: {module!r} is not one of {sorted(shapes)}")
+    out = Path(path)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out}: exists and is not empty")
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(base.num_layers):
+        for module in targets:
+            d_in, d_out = shapes[module]
+            tensors[peft_key(layer, module, "A")] = torch.randn(rank, d_in, generator=gen) * std
+            tensors[peft_key(layer, module, "B")] = torch.randn(d_out, rank, generator=gen) * std
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+              "target_modules": list(targets), "lora_dropout": 0.0, "bias": "none",
+              "base_model_name_or_path": model}
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def _demo_adapter(args: argparse.Namespace) -> int:
+    targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
+    out = write_demo_adapter(args.dir, args.model, args.rank, targets, args.seed)
+    print(f"wrote a rank-{args.rank} LoRA adapter ({', '.join(targets)}) for {args.model} to "
+          f"{out}")
+    return 0
+
+
+def _extend_adapters_push(subparsers: argparse._SubParsersAction) -> None:
+    """``loraplex adapters push --server HOST:PORT``: upload through the gateway's ``Upload``
+    instead of writing the store directly."""
+    adapters = subparsers.choices.get("adapters")
+    if adapters is None:
+        return
+    groups = [a for a in adapters._actions if isinstance(a, argparse._SubParsersAction)]
+    push = groups[0].choices.get("push") if groups else None
+    if push is None:
+        return
+    push.add_argument("--server", default=None, metavar="HOST:PORT",
+                      help="upload through a gateway's Upload RPC instead of to --store")
+    push.add_argument("--api-key", default=None, help="with --server (env LORAPLEX_API_KEY)")
+    local = push.get_default("func")
+
+    def run(args: argparse.Namespace) -> int:
+        return _push_remote(args) if args.server else local(args)
+
+    push.set_defaults(func=run)
+
+
+def _push_remote(args: argparse.Namespace) -> int:
+    import getpass
+
+    from loraplex.adapter_store.store import DEFAULT_TENANT
+    from loraplex.server.client import Client, ServiceError
+
+    uploader = args.uploader
+    if uploader is None:
+        try:
+            uploader = getpass.getuser()
+        except (OSError, KeyError):
+            uploader = "unknown"
+    # --tenant's default means "the key's own tenant"; naming another needs an admin key.
+    tenant = "" if args.tenant == DEFAULT_TENANT else args.tenant
+    try:
+        with Client(args.server, api_key=args.api_key) as client:
+            record = client.upload_adapter(args.dir, args.name, tenant=tenant,
+                                           uploader=uploader)
+    except (ServiceError, ValueError) as exc:
+        print(f"loraplex adapters push: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"tenant": record.tenant, "name": record.name,
+                          "version": record.version, **record.to_record()}))
+    else:
+        print(f"pushed {record.tenant}/{record.ref} sha256:{record.digest} "
+              f"(rank {record.rank}, {','.join(record.target_modules)}, {record.dtype}, "
+              f"{record.nbytes} bytes) via {args.server}")
+    return 0

@@ -1,0 +1,609 @@
+"""Protobuf <-> dataclasses: the only module that touches the generated ``*_pb2`` code.
+
+Three kinds of things live here, all at the wire's edge (design.md §3):
+
+* message conversions (``*_from_pb`` / ``*_to_pb``); a malformed message raises
+  ``ValueError`` naming the field;
+* servicer glue (``add_*_service``): the generated servicer classes, each forwarding to an
+  implementation that speaks only dataclasses and raises ``ServiceError`` for a status;
+* client stubs (``*Stub``): the generated stubs, taking and returning dataclasses and raising
+  ``ServiceError`` for a non-OK status.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import fields
+from typing import Any, Protocol
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from loraplex.adapter_store.store import AdapterVersion
+from loraplex.server.api import (
+    AdapterQuery,
+    Completion,
+    FileHeader,
+    GenerateChunk,
+    GenerateRequest,
+    ServiceError,
+    Timing,
+    UploadMetadata,
+    UploadPart,
+    Usage,
+    WorkerRequest,
+    WorkerStatus,
+)
+from loraplex.server.engine.request import SamplingParams, TokenLogprob
+from loraplex.v1 import (
+    adapters_pb2,
+    adapters_pb2_grpc,
+    generation_pb2,
+    generation_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+
+logger = logging.getLogger(__name__)
+
+_FINISH_TO_PB = {"stop": generation_pb2.FINISH_REASON_STOP,
+                 "length": generation_pb2.FINISH_REASON_LENGTH}
+_FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
+_DEFAULT_PARAMS = SamplingParams()
+
+
+# -- messages -----------------------------------------------------------------------------------
+def sampling_params_from_pb(m: generation_pb2.SamplingParams) -> SamplingParams:
+    """Unset optional fields take the engine's defaults. Raises ``ValueError``."""
+    return SamplingParams(
+        max_tokens=m.max_tokens if m.HasField("max_tokens") else _DEFAULT_PARAMS.max_tokens,
+        temperature=m.temperature, top_k=m.top_k,
+        top_p=m.top_p if m.HasField("top_p") else _DEFAULT_PARAMS.top_p,
+        seed=m.seed if m.HasField("seed") else None,
+        stop_token_ids=tuple(m.stop_token_ids), stop=tuple(m.stop), ignore_eos=m.ignore_eos,
+        logprobs=m.logprobs if m.HasField("logprobs") else None)
+
+
+def sampling_params_to_pb(p: SamplingParams) -> generation_pb2.SamplingParams:
+    m = generation_pb2.SamplingParams(
+        max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+        stop_token_ids=list(p.stop_token_ids), stop=list(p.stop), ignore_eos=p.ignore_eos)
+    if p.seed is not None:
+        m.seed = p.seed
+    if p.logprobs is not None:
+        m.logprobs = p.logprobs
+    return m
+
+
+def _prompt_from_pb(m: Any) -> str | tuple[int, ...]:
+    which = m.WhichOneof("prompt")
+    if which == "text":
+        return str(m.text)
+    if which == "token_ids":
+        return tuple(m.token_ids.ids)
+    raise ValueError("prompt: set either text or token_ids")
+
+
+def _set_prompt(m: Any, prompt: str | tuple[int, ...] | list[int]) -> None:
+    if isinstance(prompt, str):
+        m.text = prompt
+    else:
+        m.token_ids.ids.extend(prompt)
+
+
+def generate_request_from_pb(m: generation_pb2.GenerateRequest) -> GenerateRequest:
+    return GenerateRequest(prompt=_prompt_from_pb(m), params=sampling_params_from_pb(m.params),
+                           adapter=m.adapter, request_id=m.request_id)
+
+
+def generate_request_to_pb(r: GenerateRequest) -> generation_pb2.GenerateRequest:
+    m = generation_pb2.GenerateRequest(adapter=r.adapter, request_id=r.request_id,
+                                       params=sampling_params_to_pb(r.params))
+    _set_prompt(m, r.prompt)
+    return m
+
+
+def worker_request_from_pb(m: worker_pb2.WorkerGenerateRequest) -> WorkerRequest:
+    return WorkerRequest(request_id=m.request_id, tenant=m.tenant, prompt=_prompt_from_pb(m),
+                         params=sampling_params_from_pb(m.params),
+                         adapter_digest=m.adapter_digest or None)
+
+
+def worker_request_to_pb(r: WorkerRequest) -> worker_pb2.WorkerGenerateRequest:
+    m = worker_pb2.WorkerGenerateRequest(request_id=r.request_id, tenant=r.tenant,
+                                         adapter_digest=r.adapter_digest or "",
+                                         params=sampling_params_to_pb(r.params))
+    _set_prompt(m, r.prompt)
+    return m
+
+
+def _logprobs_to_pb(lps: list[TokenLogprob]) -> list[generation_pb2.TokenLogprob]:
+    return [generation_pb2.TokenLogprob(
+        token_id=lp.token_id, logprob=lp.logprob,
+        top=[generation_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+        for lp in lps]
+
+
+def _logprobs_from_pb(ms: Any) -> list[TokenLogprob]:
+    return [TokenLogprob(m.token_id, m.logprob, tuple((t.token_id, t.logprob) for t in m.top))
+            for m in ms]
+
+
+def _finish_from_pb(value: int) -> str | None:
+    return _FINISH_FROM_PB.get(value)
+
+
+def chunk_to_pb(c: GenerateChunk) -> generation_pb2.GenerateChunk:
+    m = generation_pb2.GenerateChunk(request_id=c.request_id, token_ids=c.token_ids, text=c.text,
+                                     logprobs=_logprobs_to_pb(c.logprobs))
+    if c.finish_reason is not None:
+        m.finish_reason = _FINISH_TO_PB[c.finish_reason]
+    if c.usage is not None:
+        m.usage.CopyFrom(_usage_to_pb(c.usage))
+    if c.timing is not None:
+        m.timing.CopyFrom(_timing_to_pb(c.timing))
+    return m
+
+
+def chunk_from_pb(m: generation_pb2.GenerateChunk) -> GenerateChunk:
+    return GenerateChunk(
+        request_id=m.request_id, token_ids=list(m.token_ids), text=m.text,
+        logprobs=_logprobs_from_pb(m.logprobs), finish_reason=_finish_from_pb(m.finish_reason),
+        usage=_usage_from_pb(m.usage) if m.HasField("usage") else None,
+        timing=_timing_from_pb(m.timing) if m.HasField("timing") else None)
+
+
+def completion_to_pb(c: Completion) -> generation_pb2.GenerateResponse:
+    m = generation_pb2.GenerateResponse(
+        request_id=c.request_id, token_ids=c.token_ids, text=c.text,
+        logprobs=_logprobs_to_pb(c.logprobs), usage=_usage_to_pb(c.usage),
+        timing=_timing_to_pb(c.timing))
+    if c.finish_reason is not None:
+        m.finish_reason = _FINISH_TO_PB[c.finish_reason]
+    return m
+
+
+def completion_from_pb(m: generation_pb2.GenerateResponse) -> Completion:
+    return Completion(request_id=m.request_id, token_ids=list(m.token_ids), text=m.text,
+                      logprobs=_logprobs_from_pb(m.logprobs),
+                      finish_reason=_finish_from_pb(m.finish_reason),
+                      usage=_usage_from_pb(m.usage), timing=_timing_from_pb(m.timing))
+
+
+def _copy_to_pb(pb_class: Any, obj: Any) -> Any:
+    """A message from a dataclass whose fields the message has by the same names."""
+    return pb_class(**{f.name: list(v) if isinstance(v := getattr(obj, f.name), tuple) else v
+                       for f in fields(obj)})
+
+
+def _copy_from_pb(cls: Any, m: Any) -> Any:
+    """A dataclass from a message with the same field names (repeated fields as tuples)."""
+    return cls(**{f.name: v if isinstance(v := getattr(m, f.name), (str, int, float, bool))
+                  else tuple(v) for f in fields(cls)})
+
+
+def _usage_to_pb(u: Usage) -> generation_pb2.Usage:
+    return _copy_to_pb(generation_pb2.Usage, u)
+
+
+def _usage_from_pb(m: generation_pb2.Usage) -> Usage:
+    return _copy_from_pb(Usage, m)
+
+
+def _timing_to_pb(t: Timing) -> generation_pb2.Timing:
+    return _copy_to_pb(generation_pb2.Timing, t)
+
+
+def _timing_from_pb(m: generation_pb2.Timing) -> Timing:
+    return _copy_from_pb(Timing, m)
+
+
+def worker_status_to_pb(s: WorkerStatus) -> worker_pb2.WorkerStatus:
+    return _copy_to_pb(worker_pb2.WorkerStatus, s)
+
+
+def worker_status_from_pb(m: worker_pb2.WorkerStatus) -> WorkerStatus:
+    return _copy_from_pb(WorkerStatus, m)
+
+
+def adapter_to_pb(v: AdapterVersion) -> adapters_pb2.Adapter:
+    return _copy_to_pb(adapters_pb2.Adapter, v)
+
+
+def adapter_from_pb(m: adapters_pb2.Adapter) -> AdapterVersion:
+    return _copy_from_pb(AdapterVersion, m)
+
+
+def upload_part_from_pb(m: adapters_pb2.UploadRequest) -> UploadPart:
+    which = m.WhichOneof("part")
+    if which == "metadata":
+        return UploadMetadata(m.metadata.name, m.metadata.tenant, m.metadata.uploader)
+    if which == "file":
+        return FileHeader(m.file.name, m.file.size, m.file.sha256)
+    if which == "chunk":
+        return bytes(m.chunk)
+    raise ValueError("upload: each message must set metadata, file or chunk")
+
+
+def upload_part_to_pb(part: UploadPart) -> adapters_pb2.UploadRequest:
+    if isinstance(part, UploadMetadata):
+        return adapters_pb2.UploadRequest(metadata=adapters_pb2.UploadMetadata(
+            name=part.name, tenant=part.tenant, uploader=part.uploader))
+    if isinstance(part, FileHeader):
+        return adapters_pb2.UploadRequest(file=adapters_pb2.FileHeader(
+            name=part.name, size=part.size, sha256=part.sha256))
+    return adapters_pb2.UploadRequest(chunk=bytes(part))
+
+
+# -- servicer glue ------------------------------------------------------------------------------
+class GenerationImpl(Protocol):
+    async def generate(self, request: GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> Completion: ...
+
+    def generate_stream(self, request: GenerateRequest, context: grpc.aio.ServicerContext
+                        ) -> AsyncGenerator[GenerateChunk, None]: ...
+
+
+class WorkerImpl(Protocol):
+    def generate(self, request: WorkerRequest, context: grpc.aio.ServicerContext
+                 ) -> AsyncGenerator[GenerateChunk, None]: ...
+
+    def status(self) -> WorkerStatus: ...
+
+
+class AdaptersImpl(Protocol):
+    async def upload(self, parts: AsyncIterator[UploadPart],
+                     context: grpc.aio.ServicerContext) -> AdapterVersion: ...
+
+    async def list_adapters(self, query: AdapterQuery, context: grpc.aio.ServicerContext
+                            ) -> list[AdapterVersion]: ...
+
+    async def get_adapter(self, query: AdapterQuery, context: grpc.aio.ServicerContext
+                          ) -> AdapterVersion: ...
+
+    async def delete_adapter(self, query: AdapterQuery, context: grpc.aio.ServicerContext
+                             ) -> list[AdapterVersion]: ...
+
+
+@asynccontextmanager
+async def _status_on_error(context: grpc.aio.ServicerContext, method: str
+                           ) -> AsyncIterator[None]:
+    """End the call with the status a ``ServiceError`` names; anything else is a bug
+    (``INTERNAL``, logged)."""
+    try:
+        yield
+    except ServiceError as exc:
+        await context.abort(exc.code, exc.message)
+    except grpc.aio.AbortError:
+        raise
+    except Exception:
+        logger.exception("%s failed", method)
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}")
+
+
+async def _convert_or_abort(context: grpc.aio.ServicerContext, fn: Callable[[Any], Any],
+                            message: Any) -> Any:
+    try:
+        return fn(message)
+    except ValueError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+
+async def _write_stream(context: grpc.aio.ServicerContext,
+                        chunks: AsyncGenerator[GenerateChunk, None]) -> None:
+    # Written with context.write (not yielded) so that a cancelled call raises CancelledError
+    # here and the implementation's generator is closed at once (its finally aborts the work).
+    try:
+        async for chunk in chunks:
+            await context.write(chunk_to_pb(chunk))
+    finally:
+        await chunks.aclose()
+
+
+class _GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, impl: GenerationImpl) -> None:
+        self._impl = impl
+
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        req = await _convert_or_abort(context, generate_request_from_pb, request)
+        async with _status_on_error(context, "Generate"):
+            return completion_to_pb(await self._impl.generate(req, context))
+
+    async def GenerateStream(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+        req = await _convert_or_abort(context, generate_request_from_pb, request)
+        async with _status_on_error(context, "GenerateStream"):
+            await _write_stream(context, self._impl.generate_stream(req, context))
+
+
+class _WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, impl: WorkerImpl) -> None:
+        self._impl = impl
+
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+        req = await _convert_or_abort(context, worker_request_from_pb, request)
+        async with _status_on_error(context, "Worker.Generate"):
+            await _write_stream(context, self._impl.generate(req, context))
+
+    async def Status(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async with _status_on_error(context, "Worker.Status"):
+            return worker_status_to_pb(self._impl.status())
+
+
+async def _upload_parts(messages: AsyncIterator[Any]) -> AsyncIterator[UploadPart]:
+    async for m in messages:
+        try:
+            yield upload_part_from_pb(m)
+        except ValueError as exc:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+
+
+class _AdaptersServicer(adapters_pb2_grpc.AdaptersServicer):
+    def __init__(self, impl: AdaptersImpl) -> None:
+        self._impl = impl
+
+    async def Upload(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        async with _status_on_error(context, "Adapters.Upload"):
+            return adapter_to_pb(await self._impl.upload(_upload_parts(request_iterator),
+                                                         context))
+
+    async def List(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async with _status_on_error(context, "Adapters.List"):
+            found = await self._impl.list_adapters(AdapterQuery(request.name, request.tenant),
+                                                   context)
+            return adapters_pb2.ListAdaptersResponse(adapters=[adapter_to_pb(v) for v in found])
+
+    async def Get(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async with _status_on_error(context, "Adapters.Get"):
+            return adapter_to_pb(await self._impl.get_adapter(
+                AdapterQuery(request.adapter, request.tenant), context))
+
+    async def Delete(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async with _status_on_error(context, "Adapters.Delete"):
+            deleted = await self._impl.delete_adapter(
+                AdapterQuery(request.adapter, request.tenant), context)
+            return adapters_pb2.DeleteAdapterResponse(deleted=[adapter_to_pb(v) for v in deleted])
+
+
+def add_adapters_service(server: grpc.aio.Server, impl: AdaptersImpl) -> str:
+    """Serve ``loraplex.v1.Adapters`` from ``impl``; returns the full service name."""
+    adapters_pb2_grpc.add_AdaptersServicer_to_server(_AdaptersServicer(impl), server)
+    return adapters_pb2.DESCRIPTOR.services_by_name["Adapters"].full_name
+
+
+def add_generation_service(server: grpc.aio.Server, impl: GenerationImpl) -> str:
+    """Serve ``loraplex.v1.Generation`` from ``impl``; returns the full service name."""
+    generation_pb2_grpc.add_GenerationServicer_to_server(_GenerationServicer(impl), server)
+    return generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+def add_worker_service(server: grpc.aio.Server, impl: WorkerImpl) -> str:
+    """Serve ``loraplex.v1.Worker`` from ``impl``; returns the full service name."""
+    worker_pb2_grpc.add_WorkerServicer_to_server(_WorkerServicer(impl), server)
+    return worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+
+LIVENESS_SERVICE = "loraplex.liveness"
+
+
+class HealthReporter:
+    """The standard ``grpc.health.v1.Health`` service of one server. The empty service name
+    reports the server's overall state; each named service follows it. ``loraplex.liveness``
+    answers SERVING for as long as the server's event loop answers at all, draining or not,
+    so a liveness probe never kills a pod that is busy or draining."""
+
+    def __init__(self, server: grpc.aio.Server, service_names: list[str]) -> None:
+        self._servicer = health.aio.HealthServicer()
+        self._names = ["", *service_names]
+        health_pb2_grpc.add_HealthServicer_to_server(self._servicer, server)
+        self.serving = True
+        self._liveness_set = False
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.serving = serving
+        if not self._liveness_set:
+            await self._servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+            self._liveness_set = True
+        for name in self._names:
+            await self._servicer.set(name, status)
+
+    async def shutdown(self) -> None:
+        """NOT_SERVING for good (a draining server never comes back); liveness stays."""
+        await self.set_serving(False)
+
+
+def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]
+                              ) -> HealthReporter:
+    """Standard health checking and server reflection, so that generic tools (grpcurl,
+    grpc_health_probe, Kubernetes gRPC probes) work against every loraplex server."""
+    reporter = HealthReporter(server, service_names)
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.enable_server_reflection([*service_names, health_name, reflection.SERVICE_NAME],
+                                        server)
+    return reporter
+
+
+# -- client stubs -------------------------------------------------------------------------------
+Metadata = list[tuple[str, str]]
+_HEALTH_NAMES = {health_pb2.HealthCheckResponse.SERVING: "SERVING",
+                 health_pb2.HealthCheckResponse.NOT_SERVING: "NOT_SERVING",
+                 health_pb2.HealthCheckResponse.SERVICE_UNKNOWN: "SERVICE_UNKNOWN"}
+
+
+def _error(exc: grpc.RpcError) -> ServiceError:
+    code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
+    details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
+    return ServiceError(code, details or "")
+
+
+def _call(rpc: Any, request: Any, parse: Callable[[Any], Any], metadata: Metadata | None,
+          timeout: float | None) -> Any:
+    try:
+        return parse(rpc(request, metadata=metadata, timeout=timeout))
+    except grpc.RpcError as exc:
+        raise _error(exc) from None
+
+
+async def _acall(rpc: Any, request: Any, parse: Callable[[Any], Any],
+                 metadata: Metadata | None, timeout: float | None) -> Any:
+    try:
+        return parse(await rpc(request, metadata=metadata, timeout=timeout))
+    except grpc.RpcError as exc:
+        raise _error(exc) from None
+
+
+def _listed(m: adapters_pb2.ListAdaptersResponse) -> list[AdapterVersion]:
+    return [adapter_from_pb(v) for v in m.adapters]
+
+
+def _deleted(m: adapters_pb2.DeleteAdapterResponse) -> list[AdapterVersion]:
+    return [adapter_from_pb(v) for v in m.deleted]
+
+
+def _health_request(service: str) -> health_pb2.HealthCheckRequest:
+    return health_pb2.HealthCheckRequest(service=service)
+
+
+def _health_name(m: health_pb2.HealthCheckResponse) -> str:
+    return _HEALTH_NAMES.get(m.status, "UNKNOWN")
+
+
+def _list_request(q: AdapterQuery) -> adapters_pb2.ListAdaptersRequest:
+    return adapters_pb2.ListAdaptersRequest(name=q.ref, tenant=q.tenant)
+
+
+def _get_request(q: AdapterQuery) -> adapters_pb2.GetAdapterRequest:
+    return adapters_pb2.GetAdapterRequest(adapter=q.ref, tenant=q.tenant)
+
+
+def _delete_request(q: AdapterQuery) -> adapters_pb2.DeleteAdapterRequest:
+    return adapters_pb2.DeleteAdapterRequest(adapter=q.ref, tenant=q.tenant)
+
+
+class ClientStub:
+    """The public services (``Generation``, ``Adapters``, ``Health``) over a blocking
+    channel. Every call raises ``ServiceError`` for a non-OK status."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self._gen = generation_pb2_grpc.GenerationStub(channel)
+        self._adapters = adapters_pb2_grpc.AdaptersStub(channel)
+        self._health = health_pb2_grpc.HealthStub(channel)
+
+    def generate(self, request: GenerateRequest, metadata: Metadata | None = None,
+                 timeout: float | None = None) -> Completion:
+        return _call(self._gen.Generate, generate_request_to_pb(request), completion_from_pb,
+                     metadata, timeout)
+
+    def generate_stream(self, request: GenerateRequest, metadata: Metadata | None = None,
+                        timeout: float | None = None) -> Iterator[GenerateChunk]:
+        """Chunks as they come; closing the iterator cancels the call."""
+        call = self._gen.GenerateStream(generate_request_to_pb(request), metadata=metadata,
+                                        timeout=timeout)
+        try:
+            for m in call:
+                yield chunk_from_pb(m)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        finally:
+            call.cancel()
+
+    def upload(self, parts: Iterable[UploadPart], metadata: Metadata | None = None,
+               timeout: float | None = None) -> AdapterVersion:
+        return _call(self._adapters.Upload, (upload_part_to_pb(p) for p in parts),
+                     adapter_from_pb, metadata, timeout)
+
+    def list_adapters(self, query: AdapterQuery, metadata: Metadata | None = None,
+                      timeout: float | None = None) -> list[AdapterVersion]:
+        return _call(self._adapters.List, _list_request(query), _listed, metadata, timeout)
+
+    def get_adapter(self, query: AdapterQuery, metadata: Metadata | None = None,
+                    timeout: float | None = None) -> AdapterVersion:
+        return _call(self._adapters.Get, _get_request(query), adapter_from_pb, metadata,
+                     timeout)
+
+    def delete_adapter(self, query: AdapterQuery, metadata: Metadata | None = None,
+                       timeout: float | None = None) -> list[AdapterVersion]:
+        return _call(self._adapters.Delete, _delete_request(query), _deleted, metadata,
+                     timeout)
+
+    def health(self, service: str = "", timeout: float | None = None) -> str:
+        """``SERVING`` / ``NOT_SERVING`` / ``SERVICE_UNKNOWN`` (standard health checking)."""
+        return _call(self._health.Check, _health_request(service), _health_name, None, timeout)
+
+
+class AsyncClientStub:
+    """``ClientStub`` over a ``grpc.aio`` channel."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._gen = generation_pb2_grpc.GenerationStub(channel)
+        self._adapters = adapters_pb2_grpc.AdaptersStub(channel)
+        self._health = health_pb2_grpc.HealthStub(channel)
+
+    async def generate(self, request: GenerateRequest, metadata: Metadata | None = None,
+                       timeout: float | None = None) -> Completion:
+        return await _acall(self._gen.Generate, generate_request_to_pb(request),
+                            completion_from_pb, metadata, timeout)
+
+    async def generate_stream(self, request: GenerateRequest, metadata: Metadata | None = None,
+                              timeout: float | None = None) -> AsyncIterator[GenerateChunk]:
+        call = self._gen.GenerateStream(generate_request_to_pb(request), metadata=metadata,
+                                        timeout=timeout)
+        try:
+            async for m in call:
+                yield chunk_from_pb(m)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        finally:
+            call.cancel()
+
+    async def upload(self, parts: Iterable[UploadPart], metadata: Metadata | None = None,
+                     timeout: float | None = None) -> AdapterVersion:
+        return await _acall(self._adapters.Upload, (upload_part_to_pb(p) for p in parts),
+                            adapter_from_pb, metadata, timeout)
+
+    async def list_adapters(self, query: AdapterQuery, metadata: Metadata | None = None,
+                            timeout: float | None = None) -> list[AdapterVersion]:
+        return await _acall(self._adapters.List, _list_request(query), _listed, metadata,
+                            timeout)
+
+    async def get_adapter(self, query: AdapterQuery, metadata: Metadata | None = None,
+                          timeout: float | None = None) -> AdapterVersion:
+        return await _acall(self._adapters.Get, _get_request(query), adapter_from_pb,
+                            metadata, timeout)
+
+    async def delete_adapter(self, query: AdapterQuery, metadata: Metadata | None = None,
+                             timeout: float | None = None) -> list[AdapterVersion]:
+        return await _acall(self._adapters.Delete, _delete_request(query), _deleted,
+                            metadata, timeout)
+
+    async def health(self, service: str = "", timeout: float | None = None) -> str:
+        return await _acall(self._health.Check, _health_request(service), _health_name, None,
+                            timeout)
+
+
+class WorkerStub:
+    """The internal ``Worker`` service over a ``grpc.aio`` channel (the gateway's side)."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._stub = worker_pb2_grpc.WorkerStub(channel)
+
+    async def generate(self, request: WorkerRequest, timeout: float | None
+                       ) -> AsyncGenerator[GenerateChunk, None]:
+        """Stream a request's chunks; cancelled (on the worker too) when the caller stops
+        iterating. Raises ``ServiceError`` with the worker's status."""
+        call = self._stub.Generate(worker_request_to_pb(request), timeout=timeout)
+        try:
+            async for m in call:
+                yield chunk_from_pb(m)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        finally:
+            call.cancel()
+
+    async def status(self, timeout: float) -> WorkerStatus:
+        return await _acall(self._stub.Status, worker_pb2.StatusRequest(),
+                            worker_status_from_pb, None, timeout)

@@ -1,0 +1,181 @@
+"""Prometheus metrics of the gateway and the workers, served as text on ``/metrics``.
+
+Each server owns a ``CollectorRegistry`` (``loraplex serve`` shares one between its gateway and
+worker), so several servers can live in one process. Request counters and latency histograms
+are updated as requests go; the worker's engine gauges and counters are read from its latest
+``EngineStats`` snapshot at scrape time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from loraplex.server.engine.engine import EngineStats
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                   120.0, 300.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)
+
+
+class RequestMetrics:
+    """Per-request series shared by the gateway and the worker (``prefix`` tells them apart).
+
+    Series:
+        ``<prefix>_requests_total{tenant,code}``: requests by final gRPC status.
+        ``<prefix>_ttft_seconds``, ``<prefix>_itl_seconds``, ``<prefix>_e2e_seconds``.
+    """
+
+    def __init__(self, prefix: str, registry: CollectorRegistry) -> None:
+        self.requests = Counter(f"{prefix}_requests", "Requests by tenant and final gRPC status",
+                                ["tenant", "code"], registry=registry)
+        self.ttft = Histogram(f"{prefix}_ttft_seconds", "Time to first token",
+                              buckets=LATENCY_BUCKETS, registry=registry)
+        self.itl = Histogram(f"{prefix}_itl_seconds", "Inter-token latency",
+                             buckets=ITL_BUCKETS, registry=registry)
+        self.e2e = Histogram(f"{prefix}_e2e_seconds", "Request latency, first byte to last token",
+                             buckets=LATENCY_BUCKETS, registry=registry)
+
+
+class StreamTimer:
+    """Times one request's stream: TTFT at the first token, then one ITL sample per token."""
+
+    def __init__(self, metrics: RequestMetrics, start: float | None = None) -> None:
+        self._m = metrics
+        self.start = time.monotonic() if start is None else start
+        self.first_token: float | None = None
+        self._last = self.start
+
+    def tokens(self, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        now = time.monotonic()
+        if self.first_token is None:
+            self.first_token = now
+            self._m.ttft.observe(now - self.start)
+            num_tokens -= 1
+        elif num_tokens:
+            gap = (now - self._last) / num_tokens
+            for _ in range(num_tokens):
+                self._m.itl.observe(gap)
+        self._last = now
+
+    @property
+    def ttft(self) -> float:
+        return 0.0 if self.first_token is None else self.first_token - self.start
+
+    def finish(self, tenant: str, code: str) -> float:
+        """Count the request under its final status; returns its end-to-end seconds."""
+        elapsed = time.monotonic() - self.start
+        if code == "OK":
+            self._m.e2e.observe(elapsed)
+        self._m.requests.labels(tenant=tenant, code=code).inc()
+        return elapsed
+
+
+class GatewayMetrics(RequestMetrics):
+    """The gateway's series: requests, latencies, router decisions, retries, workers."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        super().__init__("loraplex_gateway", registry)
+        self.router_decisions = Counter(
+            "loraplex_router_decisions", "Routing decisions: resident (adapter in the worker's "
+            "pool), host_cached (in its host cache), affinity (the digest's first-choice "
+            "worker), spill (moved off a loaded first choice), least_loaded (base model)",
+            ["decision"], registry=registry)
+        self.retries = Counter("loraplex_gateway_retries",
+                               "Requests re-sent to another worker before their first token",
+                               ["reason"], registry=registry)
+        self.inflight = Gauge("loraplex_gateway_inflight", "Requests in flight to each worker",
+                              ["worker"], registry=registry)
+        self.worker_up = Gauge("loraplex_gateway_worker_up",
+                               "1 when the worker answers Status and is serving", ["worker"],
+                               registry=registry)
+        self.uploads = Counter("loraplex_gateway_adapter_uploads",
+                               "Adapter uploads by tenant and final gRPC status",
+                               ["tenant", "code"], registry=registry)
+
+
+class WorkerMetrics(RequestMetrics):
+    """The worker's series: requests and latencies, plus the engine's state read at scrape
+    time from ``snapshot()`` (the latest ``EngineStats`` and the queue depth)."""
+
+    def __init__(self, registry: CollectorRegistry,
+                 snapshot: Callable[[], tuple[EngineStats, int] | None]) -> None:
+        super().__init__("loraplex_worker", registry)
+        self.queue_time = Histogram("loraplex_worker_queue_seconds",
+                                    "Time from admission to first scheduled",
+                                    buckets=LATENCY_BUCKETS, registry=registry)
+        registry.register(_EngineCollector(snapshot))
+
+
+class _EngineCollector(Collector):
+    def __init__(self, snapshot: Callable[[], tuple[EngineStats, int] | None]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        snap = self._snapshot()
+        if snap is None:
+            return
+        s, queue_depth = snap
+        yield GaugeMetricFamily("loraplex_worker_queue_depth", "Requests admitted, not running",
+                                value=queue_depth)
+        yield GaugeMetricFamily("loraplex_worker_running", "Requests running",
+                                value=s.num_running)
+        pages = GaugeMetricFamily("loraplex_worker_pages", "Pages of the unified pool by kind",
+                                  labels=["kind"])
+        for kind, n in (("free", s.pages.num_free), ("kv", s.pages.num_kv),
+                        ("adapter", s.pages.num_adapter), ("prefix", s.pages.num_prefix)):
+            pages.add_metric([kind], n)
+        yield pages
+        yield GaugeMetricFamily("loraplex_worker_adapters_resident",
+                                "Adapters with pages in the pool", value=len(s.resident_adapters))
+        yield GaugeMetricFamily("loraplex_worker_adapters_host",
+                                "Adapters in the host cache", value=len(s.host_adapters))
+        counters = (
+            ("loraplex_worker_preemptions", "Requests preempted (recomputed later)",
+             s.num_preemptions),
+            ("loraplex_worker_steps", "Engine steps run", s.num_steps),
+            ("loraplex_worker_adapter_loads", "Adapter loads into pages", s.adapter_loads),
+            ("loraplex_worker_adapter_load_seconds", "Seconds spent loading adapters",
+             s.adapter_load_seconds),
+            ("loraplex_worker_adapter_load_failures", "Adapter loads that failed",
+             s.adapter_load_failures),
+            ("loraplex_worker_adapter_evictions", "Adapters evicted from the pool",
+             s.adapter_evictions),
+            ("loraplex_worker_page_evictions", "Pages evicted by the pager",
+             s.pages.num_evictions),
+        )
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)
+        lookups = CounterMetricFamily("loraplex_worker_adapter_lookups",
+                                      "Adapter lookups by tier (host, device) and result",
+                                      labels=["tier", "result"])
+        lookups.add_metric(["host", "hit"], s.host_hits)
+        lookups.add_metric(["host", "miss"], s.host_misses)
+        lookups.add_metric(["device", "hit"], s.device_hits)
+        lookups.add_metric(["device", "miss"], s.device_misses)
+        yield lookups
+        ratio = GaugeMetricFamily("loraplex_worker_adapter_hit_ratio",
+                                  "Adapter hit rate since start by tier", labels=["tier"])
+        for tier, hits, misses in (("host", s.host_hits, s.host_misses),
+                                   ("device", s.device_hits, s.device_misses)):
+            ratio.add_metric([tier], hits / (hits + misses) if hits + misses else 0.0)
+        yield ratio
+
+
+class MetricsServer:
+    """``/metrics`` over HTTP on its own thread."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+        self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
+        self.host = host
+        self.port = int(self._httpd.server_port)
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()

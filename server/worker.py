@@ -1,0 +1,302 @@
+"""A worker: one engine behind the internal ``Worker`` gRPC service.
+
+1. ``Worker.Generate`` admits a request: refused with ``UNAVAILABLE`` while draining,
+   ``RESOURCE_EXHAUSTED`` when ``max_queue`` requests already wait, ``INVALID_ARGUMENT`` when the
+   engine refuses it (a prompt that does not fit the context) — all before it is queued.
+2. The engine thread (``EngineLoop``) runs it; each step's tokens stream back as chunks.
+3. A cancelled call (client gone, deadline passed) raises ``CancelledError`` in the handler;
+   closing the stream aborts the request, whose pages return within one step.
+4. SIGTERM (``drain``): health turns NOT_SERVING, new requests get ``UNAVAILABLE``, running
+   ones finish within the grace period and are aborted (``UNAVAILABLE``) after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+
+import grpc
+from prometheus_client import CollectorRegistry
+
+from loraplex.server import convert
+from loraplex.server.api import (
+    FINISH_REASONS,
+    GenerateChunk,
+    ServiceError,
+    Timing,
+    Usage,
+    WorkerRequest,
+    WorkerStatus,
+)
+from loraplex.server.config import EngineConfig
+from loraplex.server.engine.engine import Engine, EngineStats
+from loraplex.server.engine.request import Request, RequestOutput
+from loraplex.server.engine_loop import EngineLoop
+from loraplex.server.metrics import MetricsServer, StreamTimer, WorkerMetrics
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+def format_address(host: str, port: int) -> str:
+    """``host:port``, with brackets around an IPv6 host."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def grpc_server_options() -> list[tuple[str, int]]:
+    # so_reuseport=0: a second server on a taken port must fail, not silently share it.
+    return [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One worker server (flags of ``loraplex worker``; the engine has its own config).
+
+    Attributes:
+        host: address to listen on.
+        port: gRPC port (0: any free port).
+        metrics_port: Prometheus ``/metrics`` port (None: no metrics server; 0: any).
+        max_queue: requests admitted but not running, at most; beyond it RESOURCE_EXHAUSTED.
+        drain_grace_seconds: how long running requests may finish after SIGTERM.
+        worker_id: reported in Status and logs (default ``hostname:port``).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50061
+    metrics_port: int | None = None
+    max_queue: int = 256
+    drain_grace_seconds: float = 30.0
+    worker_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port: must be in [0, 65535], got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port: must be in [0, 65535], got {self.metrics_port}")
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue: must be >= 1, got {self.max_queue}")
+        if self.drain_grace_seconds < 0:
+            raise ValueError("drain_grace_seconds: must be >= 0")
+
+
+class WorkerService:
+    """The ``Worker`` service's implementation (dataclasses in, dataclasses out)."""
+
+    def __init__(self, engine_loop: EngineLoop, config: WorkerConfig, worker_id: str,
+                 metrics: WorkerMetrics) -> None:
+        self._engine = engine_loop
+        self.config = config
+        self.worker_id = worker_id
+        self.metrics = metrics
+        self.draining = False
+        self._active: dict[str, Request] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    def queue_depth(self) -> int:
+        """Requests admitted here that are not running (the engine's stats lag by <= 50 ms)."""
+        return max(len(self._active) - self._engine.stats.num_running, 0)
+
+    def status(self) -> WorkerStatus:
+        s = self._engine.stats
+        return WorkerStatus(
+            worker_id=self.worker_id, serving=self.serving, queue_depth=self.queue_depth(),
+            num_running=s.num_running, max_queue=self.config.max_queue,
+            num_pages=s.pages.num_pages, num_free_pages=s.pages.num_free,
+            num_kv_pages=s.pages.num_kv, num_adapter_pages=s.pages.num_adapter,
+            resident_adapters=tuple(s.resident_adapters), host_adapters=tuple(s.host_adapters),
+            max_model_len=self._engine.engine.max_model_len)
+
+    @property
+    def serving(self) -> bool:
+        return not self.draining and self._engine.error is None
+
+    async def generate(self, request: WorkerRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncGenerator[GenerateChunk, None]:
+        """Admit ``request`` and stream its chunks. Raises ``ServiceError`` (see the module
+        docstring for the codes)."""
+        if not self.serving:
+            reason = self._engine.error or "the worker is draining"
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"{reason}; retry on another worker")
+        if self.queue_depth() >= self.config.max_queue:
+            self.metrics.requests.labels(tenant=request.tenant, code="RESOURCE_EXHAUSTED").inc()
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"worker queue is full ({self.config.max_queue} requests wait)")
+        timer = StreamTimer(self.metrics)
+        try:
+            req, queue = self._engine.submit(request)
+        except ValueError as exc:
+            timer.finish(request.tenant, "INVALID_ARGUMENT")
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        rid = request.request_id
+        self._active[rid] = req
+        self._idle.clear()
+        code, finished = "CANCELLED", False
+        try:
+            while True:
+                out = await queue.get()
+                timer.tokens(len(out.new_token_ids))
+                if not out.finished:
+                    yield GenerateChunk(rid, list(out.new_token_ids), out.new_text,
+                                        list(out.logprobs))
+                    continue
+                finished = True
+                code = _status_name(out)
+                self._raise_for(out)
+                yield self._last_chunk(req, out, timer)
+                return
+        finally:
+            del self._active[rid]
+            self._engine.release(rid)
+            if not finished:
+                self._engine.abort(rid)
+            timer.finish(request.tenant, code)
+            if not self._active:
+                self._idle.set()
+
+    def _raise_for(self, out: RequestOutput) -> None:
+        if out.finish_reason in FINISH_REASONS:
+            return
+        if out.finish_reason == "abort":
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                               "request aborted: the worker is shutting down")
+        if (out.error or "").startswith("adapter"):
+            # The adapter could not be loaded or placed here; another worker may manage.
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, out.error or "adapter unavailable")
+        raise ServiceError(grpc.StatusCode.INTERNAL, out.error or "the engine failed")
+
+    def _last_chunk(self, req: Request, out: RequestOutput, timer: StreamTimer
+                    ) -> GenerateChunk:
+        queue_seconds = 0.0
+        if req.first_scheduled_time is not None:
+            queue_seconds = req.first_scheduled_time - req.arrival_time
+            self.metrics.queue_time.observe(queue_seconds)
+        timing = Timing(queue_seconds, timer.ttft, time.monotonic() - timer.start)
+        usage = Usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+        return GenerateChunk(req.request_id, list(out.new_token_ids), out.new_text,
+                             list(out.logprobs), out.finish_reason, usage, timing)
+
+    async def drain(self, grace_seconds: float) -> None:
+        """Refuse new requests, let running ones finish for ``grace_seconds``, then abort the
+        rest (their streams end ``UNAVAILABLE``)."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace_seconds)
+            return
+        except asyncio.TimeoutError:
+            pass
+        logger.warning("drain: %d requests still running after %.1f s; aborting them",
+                       len(self._active), grace_seconds)
+        for rid in list(self._active):
+            self._engine.abort(rid)
+        try:
+            await asyncio.wait_for(self._idle.wait(), 5.0)
+        except asyncio.TimeoutError:
+            logger.error("drain: %d requests did not end after abort", len(self._active))
+
+
+def _status_name(out: RequestOutput) -> str:
+    if out.finish_reason in FINISH_REASONS:
+        return "OK"
+    if out.finish_reason == "abort" or (out.error or "").startswith("adapter"):
+        return "UNAVAILABLE"
+    return "INTERNAL"
+
+
+class WorkerServer:
+    """A worker process's servers: the engine thread, ``Worker`` + health + reflection over
+    gRPC, and ``/metrics``.
+
+    Args:
+        engine: the engine to serve (built by :func:`build_engine`).
+        config: the server's settings.
+        registry: where metrics go (a fresh registry when None).
+    """
+
+    def __init__(self, engine: Engine, config: WorkerConfig,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.engine = engine
+        self.config = config
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.port = config.port
+        self._server: grpc.aio.Server | None = None
+        self._loop: EngineLoop | None = None
+        self._metrics_server: MetricsServer | None = None
+        self.service: WorkerService | None = None
+        self._health: convert.HealthReporter | None = None
+
+    @property
+    def address(self) -> str:
+        return format_address(self.config.host, self.port)
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self._metrics_server.port if self._metrics_server else None
+
+    async def start(self) -> None:
+        """Bind and start serving (on the running asyncio loop)."""
+        self._loop = EngineLoop(self.engine, asyncio.get_running_loop())
+        server = grpc.aio.server(options=grpc_server_options())
+        self.port = server.add_insecure_port(format_address(self.config.host, self.config.port))
+        if self.port == 0:
+            raise OSError(f"worker: cannot listen on {self.address}")
+        worker_id = self.config.worker_id or f"{socket.gethostname()}:{self.port}"
+        metrics = WorkerMetrics(self.registry, self._snapshot)
+        self.service = WorkerService(self._loop, self.config, worker_id, metrics)
+        name = convert.add_worker_service(server, self.service)
+        self._health = convert.add_health_and_reflection(server, [name])
+        await self._health.set_serving(True)  # the engine is loaded before the port opens
+        self._loop.start()
+        await server.start()
+        self._server = server
+        if self.config.metrics_port is not None:
+            self._metrics_server = MetricsServer(self.registry, self.config.host,
+                                                 self.config.metrics_port)
+        logger.info("worker %s listening on %s", worker_id, self.address)
+
+    def _snapshot(self) -> tuple[EngineStats, int] | None:
+        if self._loop is None or self.service is None:
+            return None
+        return self._loop.stats, self.service.queue_depth()
+
+    async def drain(self, grace_seconds: float | None = None) -> None:
+        """SIGTERM: NOT_SERVING, refuse new work, finish or abort the running, then stop."""
+        if self._health is None or self.service is None:
+            return
+        grace = self.config.drain_grace_seconds if grace_seconds is None else grace_seconds
+        logger.info("worker draining (grace %.1f s)", grace)
+        await self._health.shutdown()
+        await self.service.drain(grace)
+        await self.stop()
+
+    async def stop(self) -> None:
+        """Stop at once: open calls are cancelled."""
+        if self._server is not None:
+            await self._server.stop(grace=1.0)
+            self._server = None
+        if self._loop is not None:
+            self._loop.stop()
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+            self._metrics_server = None
+
+    async def wait(self) -> None:
+        """Until the server stops."""
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+
+def build_engine(config: EngineConfig, adapter_source: object | None = None) -> Engine:
+    """The worker's engine, reading adapters by digest from ``adapter_source`` (the adapter
+    store's ``AdapterSource``)."""
+    return Engine(config, adapter_source=adapter_source)

@@ -1,0 +1,165 @@
+"""Two workers behind one gateway: adapter affinity, draining, and a worker killed mid-run."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+
+from loraplex.server.client import Client, ServiceError
+from loraplex.server.convert import ClientStub
+from loraplex.server.router import rendezvous_score
+from tests.e2e.harness import Cluster, WorkerProcess, wait_for
+
+
+@pytest.fixture(scope="module")
+def pair(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    c = Cluster(model_dir, tmp_path_factory.mktemp("store"), num_workers=2,
+                gateway={"status_interval_seconds": 0.05})
+    yield c
+    c.close()
+
+
+def decisions(cluster: Cluster) -> dict[str, float]:
+    out = {}
+    for metric in cluster.gateway.registry.collect():
+        if metric.name == "loraplex_router_decisions":
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    out[sample.labels["decision"]] = sample.value
+    return out
+
+
+def test_requests_for_one_adapter_go_to_one_worker(pair: Cluster,
+                                                   adapter_dirs: dict[str, Path]) -> None:
+    with pair.client() as client:
+        digests = {name: client.upload_adapter(path, name).digest
+                   for name, path in adapter_dirs.items()}
+        with ThreadPoolExecutor(2) as pool:
+            for _ in range(4):
+                for name in digests:
+                    # Two at a time: a little load must not move an adapter.
+                    list(pool.map(lambda i, n=name: client.generate(f"{n} {i}", n,
+                                                                    max_tokens=4),
+                                  range(2)))
+    homes = {}
+    for name, digest in digests.items():
+        holders = [i for i in range(2) if digest in pair.stats(i).resident_adapters]
+        assert len(holders) == 1, f"{name} resident on workers {holders}"
+        homes[name] = holders[0]
+        assert pair.stats(1 - holders[0]).adapter_loads + pair.stats(holders[0]).adapter_loads \
+            == len(set(digests.values()))  # every adapter loaded exactly once
+    counts = decisions(pair)
+    assert counts.get("spill", 0) == 0, counts
+    assert counts.get("resident", 0) + counts.get("affinity", 0) == 4 * 2 * len(digests)
+    # The first choice is the rendezvous winner among the two workers.
+    addresses = [w.address for w in pair.workers]
+    for name, digest in digests.items():
+        best = max(range(2), key=lambda i: rendezvous_score(digest, addresses[i]))
+        assert homes[name] == best
+
+
+def test_drain_turns_health_not_serving_and_lets_in_flight_finish(pair: Cluster) -> None:
+    worker = pair.workers[1]
+    with pair.client() as client, grpc.insecure_channel(worker.address) as channel:
+        worker_health = ClientStub(channel)
+        # Base-model requests go to the least-loaded worker: two long streams, one each.
+        streams = []
+        for _ in range(2):
+            streams.append(client.generate_stream("long", max_tokens=800, ignore_eos=True))
+            assert next(streams[-1]).token_ids
+        assert worker.service.num_active == 1  # type: ignore[union-attr]
+
+        # A draining worker: NOT_SERVING, out of the gateway's rotation, in-flight finishes.
+        worker_draining = pair.loop.submit(worker.drain(grace_seconds=30))
+        wait_for(lambda: worker_health.health() == "NOT_SERVING", what="worker health")
+        assert worker_health.health("loraplex.liveness") == "SERVING"  # alive while draining
+        wait_for(lambda: pair.gateway.pool.num_healthy == 1, what="gateway drops the worker")
+        assert worker.service.num_active == 1  # type: ignore[union-attr]
+        for name in ("alpha", "beta", "gamma"):  # whatever their home, worker 0 serves them
+            assert client.generate("after", name, max_tokens=2).usage.completion_tokens == 2
+
+        # A draining gateway: NOT_SERVING, new requests UNAVAILABLE, in-flight finishes.
+        gateway_draining = pair.loop.submit(pair.gateway.drain(grace_seconds=30))
+        wait_for(lambda: client.health() == "NOT_SERVING", what="gateway health")
+        assert client.health("loraplex.liveness") == "SERVING"
+        assert pair.gateway.generation.num_active == 2  # both streams are still going
+        with pytest.raises(ServiceError) as info:
+            client.generate("new", max_tokens=2)
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        for stream in streams:
+            rest = list(stream)
+            assert rest[-1].finish_reason == "length"
+            assert sum(len(c.token_ids) for c in rest) == 800 - 1
+        gateway_draining.result(15)
+        worker_draining.result(15)
+
+
+@dataclass
+class Outcome:
+    tokens: int = 0
+    code: str = ""
+    tokens_at_failure: int = 0
+    first_token: threading.Event = field(default_factory=threading.Event)
+
+
+def test_worker_killed_mid_run(model_dir: Path, tmp_path: Path,
+                               adapter_dirs: dict[str, Path]) -> None:
+    store = tmp_path / "store"
+    # Two requests run at a time on each worker; the rest wait in its queue.
+    a = WorkerProcess(model_dir, store, "--max-num-seqs", "2", "--worker-id", "a")
+    b = WorkerProcess(model_dir, store, "--max-num-seqs", "2", "--worker-id", "b")
+    try:
+        addresses = (a.wait_ready(), b.wait_ready())
+        # load_factor 50: every request for the adapter stays on its first-choice worker.
+        cluster = Cluster(model_dir, store, num_workers=0, extra_workers=addresses,
+                          gateway={"load_factor": 50.0, "status_interval_seconds": 0.05})
+        try:
+            wait_for(lambda: cluster.gateway.pool.num_healthy == 2, timeout=10,
+                     what="both workers healthy")
+            with cluster.client() as client:
+                digest = client.upload_adapter(adapter_dirs["alpha"], "alpha").digest
+            home = max(addresses, key=lambda addr: rendezvous_score(digest, addr))
+            victim = a if home == a.address else b
+            outcomes = [Outcome() for _ in range(6)]
+
+            def run(out: Outcome) -> None:
+                with Client(cluster.address, api_key="", timeout=60) as c:
+                    try:
+                        for chunk in c.generate_stream("doomed?", "alpha", max_tokens=400,
+                                                       ignore_eos=True):
+                            out.tokens += len(chunk.token_ids)
+                            out.first_token.set()
+                        out.code = "OK"
+                    except ServiceError as exc:
+                        out.code, out.tokens_at_failure = exc.code.name, out.tokens
+
+            threads = [threading.Thread(target=run, args=(o,)) for o in outcomes]
+            for t in threads:
+                t.start()
+                time.sleep(0.02)  # a stable order: the first two run, the rest queue
+            wait_for(lambda: sum(o.first_token.is_set() for o in outcomes) >= 2, timeout=20,
+                     what="two streams running")
+            victim.kill()
+            for t in threads:
+                t.join(60)
+            assert not any(t.is_alive() for t in threads), "a request hangs"
+        finally:
+            cluster.close()
+    finally:
+        a.kill()
+        b.kill()
+    completed = [o for o in outcomes if o.code == "OK"]
+    failed = [o for o in outcomes if o.code != "OK"]
+    assert len(completed) + len(failed) == len(outcomes)  # nothing lost
+    assert all(o.code == "UNAVAILABLE" for o in failed), [o.code for o in failed]
+    # Only streams that had sent tokens fail; the queued ones went to the other worker.
+    assert all(o.tokens_at_failure > 0 for o in failed)
+    assert 1 <= len(failed) <= 2  # at most the two running on the killed worker
+    assert len(completed) >= len(outcomes) - 2
+    assert all(o.tokens == 400 for o in completed)
