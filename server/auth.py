@@ -8,9 +8,17 @@ one entry per line::
     60303ae22b998861bce3b28f33eec1be758a213c86c93c076dbe9f558c11c752  ops     admin
 
 (``printf %s "$KEY" | sha256sum`` prints the hash; keys should be long random strings, so a
-plain hash is enough.) A presented key is hashed and compared with every entry in constant
-time. The file is re-read when it changes (checked on every call) and on SIGHUP, so removing a
-line revokes a key without a restart. A malformed line is skipped with an error in the log; a
+plain hash is enough.) A line may end with the tenant's quota (``quota.py``), overriding the
+gateway's defaults: ``max_concurrency=N`` and ``tokens_per_minute=N`` (0: unlimited)::
+
+    9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08  acme  max_concurrency=8
+
+A limit applies to the tenant, whichever of its keys a request uses; when its lines disagree,
+the strictest value wins (and the disagreement is logged).
+
+A presented key is hashed and compared with every entry in constant time. The file is re-read
+when it changes (checked on every call) and on SIGHUP, so removing a line revokes a key (or
+changes a quota) without a restart. A malformed line is skipped with an error in the log; a
 missing file leaves no valid key (every call is refused) until it is back.
 
 Without keys the gateway runs keyless: every call is tenant ``default`` (``loraplex serve`` on
@@ -27,11 +35,13 @@ import re
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import grpc
 
 from loraplex.adapter_store.store import DEFAULT_TENANT, check_name
 from loraplex.server.api import ServiceError
+from loraplex.server.quota import LIMIT_NAMES
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +79,37 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
 
-def parse_keys(text: str, source: str) -> list[tuple[bytes, Identity]]:
-    """Parse key-file text into ``(hash bytes, identity)`` entries; bad lines are logged and
-    skipped (``source`` names the file in the log)."""
+class KeyEntry(NamedTuple):
+    """One line of the key file: the key's sha256, who it is, and its tenant's quota
+    overrides (``(limit name, value)`` pairs)."""
+
+    key_hash: bytes
+    identity: Identity
+    limits: tuple[tuple[str, int], ...] = ()
+
+
+def _parse_options(options: list[str]) -> tuple[bool, tuple[tuple[str, int], ...], str | None]:
+    """``[admin] [name=N ...]`` -> (admin, limits, problem)."""
+    admin = False
+    limits: dict[str, int] = {}
+    for i, option in enumerate(options):
+        if option == ADMIN_ROLE and i == 0:
+            admin = True
+            continue
+        name, sep, value = option.partition("=")
+        if not sep:
+            return admin, (), f"the role must be {ADMIN_ROLE!r}, right after the tenant"
+        if name not in LIMIT_NAMES:
+            return admin, (), f"unknown limit {name!r} (known: {', '.join(LIMIT_NAMES)})"
+        if not value.isdigit():
+            return admin, (), f"{name}: {value!r} is not a whole number >= 0"
+        limits[name] = int(value)
+    return admin, tuple(limits.items()), None
+
+
+def parse_keys(text: str, source: str) -> list[KeyEntry]:
+    """Parse key-file text into entries; bad lines are logged and skipped (``source`` names
+    the file in the log)."""
     entries = []
     for lineno, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
@@ -79,24 +117,43 @@ def parse_keys(text: str, source: str) -> list[tuple[bytes, Identity]]:
             continue
         fields = line.split()
         problem = None
+        admin = False
+        limits: tuple[tuple[str, int], ...] = ()
         match = _HASH.match(fields[0].lower())
         if match is None:
             problem = "the first field must be the key's sha256 (64 hex digits)"
-        elif len(fields) not in (2, 3):
-            problem = "expected: SHA256 TENANT [admin]"
-        elif len(fields) == 3 and fields[2] != ADMIN_ROLE:
-            problem = f"the role must be {ADMIN_ROLE!r}"
+        elif len(fields) < 2:
+            problem = "expected: SHA256 TENANT [admin] [max_concurrency=N] [tokens_per_minute=N]"
         else:
-            try:
-                check_name(fields[1], "tenant")
-            except ValueError as exc:
-                problem = str(exc)
+            admin, limits, problem = _parse_options(fields[2:])
+            if problem is None:
+                try:
+                    check_name(fields[1], "tenant")
+                except ValueError as exc:
+                    problem = str(exc)
         if problem is not None or match is None:
             logger.error("%s line %d skipped: %s", source, lineno, problem)
             continue
-        identity = Identity(fields[1], admin=len(fields) == 3)
-        entries.append((bytes.fromhex(match.group(1)), identity))
+        entries.append(KeyEntry(bytes.fromhex(match.group(1)), Identity(fields[1], admin=admin),
+                                limits))
     return entries
+
+
+def merge_limits(entries: Iterable[KeyEntry]) -> dict[str, dict[str, int]]:
+    """Each tenant's quota overrides from its entries; the strictest value of a limit wins
+    (0, unlimited, is the loosest)."""
+    merged: dict[str, dict[str, int]] = {}
+    for entry in entries:
+        tenant = entry.identity.tenant
+        mine = merged.setdefault(tenant, {})
+        for name, value in entry.limits:
+            old = mine.get(name)
+            if old is not None and old != value:
+                logger.warning("API keys: tenant %r has %s=%d and %s=%d on different lines; "
+                               "the strictest applies", tenant, name, old, name, value)
+                value = max(old, value) if 0 in (old, value) else min(old, value)
+            mine[name] = value
+    return {tenant: limits for tenant, limits in merged.items() if limits}
 
 
 class KeyRing:
@@ -111,7 +168,8 @@ class KeyRing:
     def __init__(self, path: str | None = None, text: str | None = None) -> None:
         self.path = path
         self._text_entries = parse_keys((text or "").replace(";", "\n"), "LORAPLEX_API_KEYS")
-        self._file_entries: list[tuple[bytes, Identity]] = []
+        self._file_entries: list[KeyEntry] = []
+        self._limits = merge_limits(self._text_entries)
         self._file_state: tuple[int, int, int] | None = None
         self._lock = threading.Lock()
         if path is not None:
@@ -139,8 +197,10 @@ class KeyRing:
                 logger.error("API key file %s unreadable (%s): no file key is valid until it "
                              "is back", self.path, exc.strerror)
                 self._file_entries, self._file_state = [], None
+                self._limits = merge_limits(self._text_entries)
                 return
             self._file_entries = parse_keys(text, self.path)
+            self._limits = merge_limits(self._text_entries + self._file_entries)
             self._file_state = (st.st_mtime_ns, st.st_size, st.st_ino)
         logger.info("API keys loaded from %s: %d keys", self.path, len(self._file_entries))
 
@@ -173,12 +233,17 @@ class KeyRing:
         digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
         found: Identity | None = None
         # Compare against every entry, without stopping at a match: constant time in the key.
-        for stored, identity in self._text_entries + self._file_entries:
-            if hmac.compare_digest(stored, digest) and found is None:
-                found = identity
+        for entry in self._text_entries + self._file_entries:
+            if hmac.compare_digest(entry.key_hash, digest) and found is None:
+                found = entry.identity
         if found is None:
             raise ServiceError(grpc.StatusCode.UNAUTHENTICATED, "invalid API key")
         return found
+
+    def tenant_limits(self, tenant: str) -> dict[str, int]:
+        """The quota overrides the key entries give ``tenant`` (``{limit name: value}``;
+        empty: the gateway's defaults). Current as of the last (re-)read of the file."""
+        return dict(self._limits.get(tenant, {}))
 
 
 def api_key_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:

@@ -35,6 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_store_arg(serve)
     _add_key_args(serve)
     _add_limit_args(serve, with_rank=False)
+    _add_quota_args(serve)
     serve.add_argument("--max-queue", type=int, default=256,
                        help="requests waiting in the worker at most (RESOURCE_EXHAUSTED beyond)")
     _add_drain_arg(serve)
@@ -53,6 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_store_arg(gateway)
     _add_key_args(gateway)
     _add_limit_args(gateway, with_rank=True)
+    _add_quota_args(gateway)
     gateway.add_argument("--load-factor", type=float, default=1.25,
                          help="a worker's load may exceed the mean by this factor before "
                               "requests for its adapters spill to others (>= 1)")
@@ -141,6 +143,18 @@ def _add_limit_args(parser: argparse.ArgumentParser, with_rank: bool) -> None:
     if with_rank:
         parser.add_argument("--max-rank", type=int, default=64,
                             help="the largest adapter rank accepted")
+
+
+def _add_quota_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tenant-max-concurrency", type=int, default=0,
+                        help="requests in flight per tenant (0: unlimited); API key entries "
+                             "may override it per tenant (max_concurrency=N)")
+    parser.add_argument("--tenant-tokens-per-minute", type=int, default=0,
+                        help="prompt + completion tokens per tenant per minute (0: unlimited); "
+                             "API key entries may override it (tokens_per_minute=N)")
+    parser.add_argument("--quota-lease-seconds", type=float, default=15.0,
+                        help="with a Redis store: how long a crashed gateway's quota slots "
+                             "stay taken, at most")
 
 
 def _add_drain_arg(parser: argparse.ArgumentParser) -> None:

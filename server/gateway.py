@@ -7,11 +7,14 @@ A request's way through it (``GenerationService.generate_stream``):
    logprobs, ids): ``INVALID_ARGUMENT`` before anything is queued.
 3. Resolve ``name[@version]`` to a digest through the adapter store, in the tenant's own
    namespace: another tenant's adapter is ``NOT_FOUND`` exactly like a missing one.
-4. Route (``router.route`` over the pool's snapshots) and proxy the worker's stream chunk by
+4. Admit it under the tenant's quota (``quota.Quotas``: requests in flight, tokens per
+   minute), or refuse it ``RESOURCE_EXHAUSTED`` before any worker sees it. The slot is held
+   until the stream ends, and the token charge is settled to the request's real usage.
+5. Route (``router.route`` over the pool's snapshots) and proxy the worker's stream chunk by
    chunk. A worker that refuses (queue full, draining) or fails before the first token is
    sent is replaced by the next candidate; after it, the stream ends ``UNAVAILABLE``.
    Cancellation and the deadline reach the worker, which aborts the request.
-5. SIGTERM (``Gateway.drain``): health NOT_SERVING, new requests ``UNAVAILABLE``, in-flight
+6. SIGTERM (``Gateway.drain``): health NOT_SERVING, new requests ``UNAVAILABLE``, in-flight
    requests finish within the grace period.
 """
 
@@ -37,6 +40,7 @@ from loraplex.server.api import (
     GenerateRequest,
     ServiceError,
     Timing,
+    Usage,
     WorkerRequest,
 )
 from loraplex.server.auth import KeyRing
@@ -44,6 +48,13 @@ from loraplex.server.engine.models.config import ModelConfig
 from loraplex.server.gateway_adapters import AdaptersService, UploadLimits
 from loraplex.server.gateway_pool import WorkerPool
 from loraplex.server.metrics import GatewayMetrics, MetricsServer, StreamTimer
+from loraplex.server.quota import (
+    LocalQuotaBackend,
+    QuotaBackend,
+    Quotas,
+    TenantLimits,
+    Ticket,
+)
 from loraplex.server.worker import format_address, grpc_server_options
 
 logger = logging.getLogger(__name__)
@@ -74,6 +85,10 @@ class GatewayConfig:
         max_prompt_bytes / max_prompt_tokens / max_tokens: per-request bounds.
         max_upload_bytes / max_rank: bounds on uploaded adapters.
         allow_unauthenticated: serve without API keys on a non-loopback address.
+        tenant_max_concurrency / tenant_tokens_per_minute: every tenant's quota unless its
+            API key entries override it (0: unlimited; see ``quota.py``).
+        quota_lease_seconds: how long a Redis-held concurrency slot outlives its gateway's
+            last refresh (what a crashed gateway can leak, at most).
     """
 
     host: str = "127.0.0.1"
@@ -90,6 +105,9 @@ class GatewayConfig:
     max_upload_bytes: int = 2 << 30
     max_rank: int = 64
     allow_unauthenticated: bool = False
+    tenant_max_concurrency: int = 0
+    tenant_tokens_per_minute: int = 0
+    quota_lease_seconds: float = 15.0
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port"):
@@ -106,6 +124,16 @@ class GatewayConfig:
                      "max_upload_bytes", "max_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
+        for name in ("tenant_max_concurrency", "tenant_tokens_per_minute"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0 (0: unlimited)")
+        if not self.quota_lease_seconds > 0:
+            raise ValueError("quota_lease_seconds: must be > 0")
+
+    @property
+    def tenant_limits(self) -> TenantLimits:
+        """Every tenant's quota before API key overrides."""
+        return TenantLimits(self.tenant_max_concurrency, self.tenant_tokens_per_minute)
 
 
 def check_bounds(request: GenerateRequest, config: GatewayConfig) -> None:
@@ -146,12 +174,13 @@ class GenerationService:
     """The ``Generation`` service's implementation (see the module docstring)."""
 
     def __init__(self, config: GatewayConfig, keys: KeyRing, store: AdapterStore,
-                 pool: WorkerPool, metrics: GatewayMetrics) -> None:
+                 pool: WorkerPool, metrics: GatewayMetrics, quotas: Quotas) -> None:
         self.config = config
         self.keys = keys
         self.store = store
         self.pool = pool
         self.metrics = metrics
+        self.quotas = quotas
         self.draining = False
         self.num_active = 0
         self._idle = asyncio.Event()
@@ -170,9 +199,12 @@ class GenerationService:
     async def generate_stream(self, request: GenerateRequest,
                               context: grpc.aio.ServicerContext
                               ) -> AsyncGenerator[GenerateChunk, None]:
-        """Authenticate, bound, resolve, route and proxy one request."""
+        """Authenticate, bound, resolve, admit, route and proxy one request."""
         timer = StreamTimer(self.metrics)
         tenant, code = "unauthenticated", "CANCELLED"
+        ticket: Ticket | None = None
+        usage: Usage | None = None
+        num_streamed = 0
         self.num_active += 1
         self._idle.clear()
         try:
@@ -183,6 +215,7 @@ class GenerationService:
                                    "the gateway is shutting down; retry")
             check_bounds(request, self.config)
             digest = await self.resolve(tenant, request.adapter)
+            ticket = await self.quotas.admit(tenant, request)
             worker_request = WorkerRequest(
                 request_id=uuid.uuid4().hex, tenant=tenant, prompt=request.prompt,
                 params=request.params, adapter_digest=digest)
@@ -190,6 +223,8 @@ class GenerationService:
             async with contextlib.aclosing(self._proxy(worker_request, context, timer)) as chunks:
                 async for chunk in chunks:
                     chunk.request_id = request_id
+                    num_streamed += len(chunk.token_ids)
+                    usage = chunk.usage or usage
                     yield chunk
             code = "OK"
         except ServiceError as exc:
@@ -200,9 +235,13 @@ class GenerationService:
             if code == "CANCELLED" and remaining is not None and remaining <= 0:
                 code = "DEADLINE_EXCEEDED"
             timer.finish(tenant, code)
-            self.num_active -= 1
-            if self.num_active == 0:
-                self._idle.set()
+            try:
+                if ticket is not None:
+                    await self.quotas.release(ticket, usage, num_streamed)
+            finally:
+                self.num_active -= 1
+                if self.num_active == 0:
+                    self._idle.set()
 
     async def resolve(self, tenant: str, ref: str) -> str | None:
         """``name[@version]`` -> digest in ``tenant``'s namespace (None: the base model).
@@ -290,12 +329,16 @@ class Gateway:
         config: the gateway's settings.
         store: the adapter store (names -> digests; uploads).
         base_config: the base model uploaded adapters must fit.
-        keys: API keys (a keyless ``KeyRing()`` serves everyone as tenant ``default``).
+        keys: API keys (a keyless ``KeyRing()`` serves everyone as tenant ``default``); their
+            entries may override tenants' quotas.
         registry: where metrics go (a fresh registry when None).
+        quota_backend: where tenant quotas are counted (``quota.open_quota_backend``: Redis
+            when the store is Redis); None counts in this process.
     """
 
     def __init__(self, config: GatewayConfig, store: AdapterStore, base_config: ModelConfig,
-                 keys: KeyRing, registry: CollectorRegistry | None = None) -> None:
+                 keys: KeyRing, registry: CollectorRegistry | None = None,
+                 quota_backend: QuotaBackend | None = None) -> None:
         if not config.workers:
             raise ValueError("workers: at least one HOST:PORT is needed")
         check_exposure(config, keys)
@@ -307,7 +350,10 @@ class Gateway:
         self.pool = WorkerPool(config.workers, self.metrics, config.status_interval_seconds,
                                config.dns_refresh_seconds, config.load_factor,
                                on_change=self._workers_changed)
-        self.generation = GenerationService(config, keys, store, self.pool, self.metrics)
+        self.quotas = Quotas(config.tenant_limits, keys.tenant_limits,
+                             quota_backend or LocalQuotaBackend(), self._quota_refused)
+        self.generation = GenerationService(config, keys, store, self.pool, self.metrics,
+                                            self.quotas)
         limits = UploadLimits(max_bytes=config.max_upload_bytes, max_rank=config.max_rank)
         self.adapters = AdaptersService(store, keys, base_config, limits, self.metrics)
         self.port = config.port
@@ -323,6 +369,9 @@ class Gateway:
     @property
     def metrics_port(self) -> int | None:
         return self._metrics_server.port if self._metrics_server else None
+
+    def _quota_refused(self, tenant: str, limit: str) -> None:
+        self.metrics.quota_refusals.labels(tenant=tenant, limit=limit).inc()
 
     async def start(self, wait_for_workers: float = 0.0) -> None:
         """Bind, connect to the workers and start serving (on the running asyncio loop).
@@ -341,6 +390,7 @@ class Gateway:
                  convert.add_adapters_service(server, self.adapters)]
         self._health = convert.add_health_and_reflection(server, names)
         await self._health.set_serving(False)
+        await self.quotas.backend.start()
         await self.pool.start()
         await server.start()
         self._server = server
@@ -382,6 +432,7 @@ class Gateway:
             await self._server.stop(grace=1.0)
             self._server = None
         await self.pool.close()
+        await self.quotas.backend.close()
         if self._metrics_server is not None:
             self._metrics_server.close()
             self._metrics_server = None

@@ -70,7 +70,10 @@ def _gateway_config(args: argparse.Namespace, workers: tuple[str, ...], max_rank
         drain_grace_seconds=args.drain_grace, max_prompt_bytes=args.max_prompt_bytes,
         max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens_limit,
         max_upload_bytes=args.max_upload_bytes, max_rank=max_rank,
-        allow_unauthenticated=args.allow_unauthenticated)
+        allow_unauthenticated=args.allow_unauthenticated,
+        tenant_max_concurrency=args.tenant_max_concurrency,
+        tenant_tokens_per_minute=args.tenant_tokens_per_minute,
+        quota_lease_seconds=args.quota_lease_seconds)
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -82,6 +85,7 @@ async def serve(args: argparse.Namespace) -> int:
     from loraplex.server.engine.models.config import ModelConfig
     from loraplex.server.gateway import Gateway, check_exposure
     from loraplex.server.metrics import MetricsServer
+    from loraplex.server.quota import open_quota_backend
     from loraplex.server.worker import WorkerConfig, WorkerServer, build_engine
 
     engine_config = engine_config_from_args(args)
@@ -99,7 +103,8 @@ async def serve(args: argparse.Namespace) -> int:
     await worker.start()
     # One /metrics server for the gateway and the worker together (one registry).
     config = _gateway_config(args, (worker.address,), engine_config.max_rank, None)
-    gateway = Gateway(config, store, base, keys, registry)
+    gateway = Gateway(config, store, base, keys, registry,
+                      open_quota_backend(spec, config.quota_lease_seconds))
     await gateway.start(wait_for_workers=10.0)
     metrics = None
     if _metrics_port(args) is not None:
@@ -151,6 +156,7 @@ async def gateway(args: argparse.Namespace) -> int:
     from loraplex.adapter_store.cli import base_model_config
     from loraplex.adapter_store.store import open_store
     from loraplex.server.gateway import Gateway
+    from loraplex.server.quota import open_quota_backend
 
     workers = tuple(w.strip() for w in args.workers.split(",") if w.strip())
     if not workers:
@@ -160,7 +166,8 @@ async def gateway(args: argparse.Namespace) -> int:
     spec = _store_spec(args)
     store = open_store(spec, base)
     config = _gateway_config(args, workers, args.max_rank, _metrics_port(args))
-    gateway = Gateway(config, store, base, keys)
+    gateway = Gateway(config, store, base, keys,
+                      quota_backend=open_quota_backend(spec, config.quota_lease_seconds))
     await gateway.start(wait_for_workers=5.0)
     _on_signals(gateway.drain, gateway.stop, keys.reload)
     print(f"loraplex gateway listening on {gateway.address} ({len(workers)} worker targets, "

@@ -95,6 +95,10 @@ class GatewayMetrics(RequestMetrics):
         self.worker_up = Gauge("loraplex_gateway_worker_up",
                                "1 when the worker answers Status and is serving", ["worker"],
                                registry=registry)
+        self.quota_refusals = Counter(
+            "loraplex_gateway_quota_refusals", "Requests refused RESOURCE_EXHAUSTED by their "
+            "tenant's quota, by limit (max_concurrency, tokens_per_minute)",
+            ["tenant", "limit"], registry=registry)
         self.uploads = Counter("loraplex_gateway_adapter_uploads",
                                "Adapter uploads by tenant and final gRPC status",
                                ["tenant", "code"], registry=registry)
@@ -166,6 +170,29 @@ class _EngineCollector(Collector):
                                    ("device", s.device_hits, s.device_misses)):
             ratio.add_metric([tier], hits / (hits + misses) if hits + misses else 0.0)
         yield ratio
+        yield from _prefix_metrics(s)
+
+
+def _prefix_metrics(s: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """Prefix-cache use by tenant: prompt tokens looked up, tokens served from cached pages,
+    and their ratio since start (a request counts once, at its first admission)."""
+    queried = CounterMetricFamily("loraplex_worker_prefix_queried_tokens",
+                                  "Prompt tokens looked up in the prefix cache, by tenant",
+                                  labels=["tenant"])
+    hits = CounterMetricFamily("loraplex_worker_prefix_hit_tokens",
+                               "Prompt tokens served from cached pages, by tenant",
+                               labels=["tenant"])
+    ratio = GaugeMetricFamily("loraplex_worker_prefix_hit_ratio",
+                              "Prefix-cache hit rate (hit / queried tokens) since start, by "
+                              "tenant", labels=["tenant"])
+    for tenant, num_queried in sorted(s.prefix_queried_tokens.items()):
+        num_hit = s.prefix_hit_tokens.get(tenant, 0)
+        queried.add_metric([tenant], num_queried)
+        hits.add_metric([tenant], num_hit)
+        ratio.add_metric([tenant], num_hit / num_queried if num_queried else 0.0)
+    yield queried
+    yield hits
+    yield ratio
 
 
 class MetricsServer:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +25,7 @@ from loraplex.server.config import EngineConfig, SchedulerConfig
 from loraplex.server.engine.engine import EngineStats
 from loraplex.server.engine.models.config import ModelConfig
 from loraplex.server.gateway import Gateway, GatewayConfig
+from loraplex.server.quota import open_quota_backend
 from loraplex.server.worker import WorkerConfig, WorkerServer, build_engine
 
 T = TypeVar("T")
@@ -62,7 +64,8 @@ class Cluster:
 
     Args:
         model_dir: the base model.
-        store_dir: the fs adapter store shared by the gateway and the workers.
+        store_dir: the fs adapter store shared by the gateway and the workers, or a store spec
+            (``redis://...``: tenant quotas are then shared through that Redis too).
         num_workers: in-process workers to start.
         extra_workers: addresses of workers run elsewhere (subprocesses).
         keys: API key file for the gateway (None: keyless).
@@ -70,13 +73,14 @@ class Cluster:
         worker / gateway: WorkerConfig / GatewayConfig overrides.
     """
 
-    def __init__(self, model_dir: Path, store_dir: Path, num_workers: int = 1,
+    def __init__(self, model_dir: Path, store_dir: Path | str, num_workers: int = 1,
                  extra_workers: tuple[str, ...] = (), keys: Path | None = None,
                  engine: dict[str, Any] | None = None, worker: dict[str, Any] | None = None,
                  gateway: dict[str, Any] | None = None) -> None:
         self.loop = LoopThread()
         self.base = ModelConfig.from_pretrained(model_dir)
-        self.store: AdapterStore = open_store(f"fs:{store_dir}", self.base)
+        spec = store_dir if isinstance(store_dir, str) else f"fs:{store_dir}"
+        self.store: AdapterStore = open_store(spec, self.base)
         self.workers: list[WorkerServer] = []
         for _ in range(num_workers):
             eng = build_engine(engine_config(model_dir, **(engine or {})), self.store)
@@ -86,7 +90,8 @@ class Cluster:
         addresses = tuple(w.address for w in self.workers) + extra_workers
         config = GatewayConfig(port=0, metrics_port=0, workers=addresses, **(gateway or {}))
         self.keys = KeyRing(path=str(keys)) if keys is not None else KeyRing()
-        self.gateway = Gateway(config, self.store, self.base, self.keys)
+        self.gateway = Gateway(config, self.store, self.base, self.keys,
+                               quota_backend=open_quota_backend(spec, config.quota_lease_seconds))
         self.loop.run(self.gateway.start(wait_for_workers=10.0 if num_workers else 0.0))
         self.address = self.gateway.address
 
@@ -192,3 +197,40 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 5.0, what: str = ""
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what or predicate}")
         time.sleep(0.01)
+
+
+class RedisServer:
+    """A real ``redis-server`` on a free loopback port in its own directory, stopped by pid
+    (as in tests/store/conftest.py)."""
+
+    def __init__(self, binary: str, workdir: Path) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        workdir.mkdir(parents=True, exist_ok=True)
+        log = workdir / "redis.log"
+        log.write_text("")
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(workdir),
+             "--logfile", str(log), "--save", "", "--appendonly", "no",
+             "--protected-mode", "no", "--daemonize", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 15
+        while "Ready to accept connections" not in log.read_text(errors="replace"):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"redis-server did not start: {log.read_text()[-2000:]}")
+            time.sleep(0.02)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)

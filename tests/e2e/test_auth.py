@@ -70,3 +70,27 @@ def test_metadata_forms() -> None:
     assert api_key_from_metadata([("authorization", "Basic k")]) == ""
     assert api_key_from_metadata([("x-api-key", "k2")]) == "k2"
     assert api_key_from_metadata(None) == ""
+
+
+def test_quota_overrides_in_key_entries(tmp_path: Path,
+                                        caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "keys"
+    path.write_text(f"{hash_key('a1')} acme max_concurrency=4 tokens_per_minute=1000\n"
+                    f"{hash_key('a2')} acme max_concurrency=2\n"  # disagrees: the strictest
+                    f"{hash_key('o1')} ops admin max_concurrency=0\n"
+                    f"{hash_key('o2')} ops max_concurrency=3\n"  # 3 is stricter than 0 (none)
+                    f"{hash_key('b')} beta burst=3\n"
+                    f"{hash_key('c')} gamma max_concurrency=-1\n"
+                    f"{hash_key('d')} delta max_concurrency=5 admin\n")
+    ring = KeyRing(path=str(path))
+    assert ring.num_keys == 4
+    assert sum("skipped" in r.message for r in caplog.records) == 3
+    assert ring.tenant_limits("acme") == {"max_concurrency": 2, "tokens_per_minute": 1000}
+    assert ring.tenant_limits("ops") == {"max_concurrency": 3}
+    assert ring.authenticate(bearer("o1")) == Identity("ops", admin=True)
+    assert ring.tenant_limits("nobody") == {}
+    path.write_text(f"{hash_key('a1')} acme\n")  # quotas change with the file
+    assert ring.authenticate(bearer("a1")).tenant == "acme"
+    assert ring.tenant_limits("acme") == {}
+    inline = KeyRing(text=f"{hash_key('k')} one tokens_per_minute=50")
+    assert inline.tenant_limits("one") == {"tokens_per_minute": 50}
