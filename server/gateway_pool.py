@@ -87,7 +87,8 @@ class WorkerHandle:
         s = self.status
         if s is None:
             return WorkerSnapshot(self.address, healthy=False, inflight=unseen)
-        return WorkerSnapshot(self.address, healthy=self.healthy, queue_depth=s.queue_depth,
+        return WorkerSnapshot(self.address, healthy=self.healthy, worker_id=s.worker_id,
+                              queue_depth=s.queue_depth,
                               num_running=s.num_running, max_queue=s.max_queue,
                               inflight=unseen, ended=ended,
                               resident=frozenset(s.resident_adapters),

@@ -41,7 +41,10 @@ class WorkerSnapshot:
     count to it.
 
     Attributes:
-        address: the worker's ``host:port`` (its identity for hashing).
+        address: the worker's ``host:port`` (where to send requests).
+        worker_id: the worker's stable name from its ``Status`` (a StatefulSet pod's name);
+            the identity for hashing, so a pod that restarts on a new IP keeps its adapters.
+            Empty until the first ``Status``: the address stands in.
         healthy: its last ``Status`` call succeeded and it is not draining.
         queue_depth / num_running / max_queue: from its last ``Status``.
         inflight: requests this gateway has in flight to it that its last ``Status`` does
@@ -52,6 +55,7 @@ class WorkerSnapshot:
 
     address: str
     healthy: bool = True
+    worker_id: str = ""
     queue_depth: int = 0
     num_running: int = 0
     max_queue: int = 1 << 30
@@ -59,6 +63,10 @@ class WorkerSnapshot:
     ended: int = 0
     resident: frozenset[str] = frozenset()
     host_cached: frozenset[str] = frozenset()
+
+    @property
+    def key(self) -> str:
+        return self.worker_id or self.address
 
     @property
     def load(self) -> int:
@@ -118,11 +126,11 @@ def route(digest: str | None, workers: Sequence[WorkerSnapshot], load_factor: fl
     within = [w for w in open_ if w.load + 1 <= cap]
     over = sorted((w for w in open_ if w.load + 1 > cap), key=lambda w: (w.load, w.address))
     if not digest:
-        ordered = sorted(within, key=lambda w: (w.load, -rendezvous_score("", w.address)))
+        ordered = sorted(within, key=lambda w: (w.load, -rendezvous_score("", w.key)))
         return Route(tuple(w.address for w in ordered + over), LEAST_LOADED)
 
     def by_score(group: Iterable[WorkerSnapshot]) -> list[WorkerSnapshot]:
-        return sorted(group, key=lambda w: -rendezvous_score(digest, w.address))
+        return sorted(group, key=lambda w: -rendezvous_score(digest, w.key))
 
     resident = by_score(w for w in within if digest in w.resident)
     host = by_score(w for w in within if digest in w.host_cached and digest not in w.resident)

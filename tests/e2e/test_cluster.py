@@ -57,10 +57,10 @@ def test_requests_for_one_adapter_go_to_one_worker(pair: Cluster,
     counts = decisions(pair)
     assert counts.get("spill", 0) == 0, counts
     assert counts.get("resident", 0) + counts.get("affinity", 0) == 4 * 2 * len(digests)
-    # The first choice is the rendezvous winner among the two workers.
-    addresses = [w.address for w in pair.workers]
+    # The first choice is the rendezvous winner among the two workers, by stable worker id.
+    ids = [w.service.worker_id for w in pair.workers]  # type: ignore[union-attr]
     for name, digest in digests.items():
-        best = max(range(2), key=lambda i: rendezvous_score(digest, addresses[i]))
+        best = max(range(2), key=lambda i: rendezvous_score(digest, ids[i]))
         assert homes[name] == best
 
 
@@ -124,8 +124,8 @@ def test_worker_killed_mid_run(model_dir: Path, tmp_path: Path,
                      what="both workers healthy")
             with cluster.client() as client:
                 digest = client.upload_adapter(adapter_dirs["alpha"], "alpha").digest
-            home = max(addresses, key=lambda addr: rendezvous_score(digest, addr))
-            victim = a if home == a.address else b
+            # hashing is on the stable worker ids ("a", "b"), not the addresses
+            victim = a if rendezvous_score(digest, "a") > rendezvous_score(digest, "b") else b
             outcomes = [Outcome() for _ in range(6)]
 
             def run(out: Outcome) -> None:

@@ -146,3 +146,14 @@ def test_requests_ended_since_the_status_do_not_count() -> None:
     busy = [WorkerSnapshot(w.address, num_running=6) if w.address == home else w
             for w in WORKERS]
     assert route(d, busy).decision == SPILL
+
+
+def test_placement_follows_the_stable_worker_id_not_the_address() -> None:
+    # A StatefulSet pod that restarts on a new IP keeps its name, and so its adapters.
+    before = [WorkerSnapshot(f"10.0.0.{i}:50061", worker_id=f"worker-{i}") for i in range(4)]
+    after = [WorkerSnapshot(f"10.9.9.{i}:50061", worker_id=f"worker-{i}") for i in range(4)]
+    for n in range(50):
+        digest = f"{n:064x}"
+        home_before = route(digest, before).addresses[0]
+        home_after = route(digest, after).addresses[0]
+        assert home_before.split(".")[-1] == home_after.split(".")[-1]
