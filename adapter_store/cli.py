@@ -67,6 +67,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     push.add_argument("--uploader", default=None, help="recorded with the version "
                       "(default: the current user)")
     push.add_argument("--quiet", action="store_true", help="no progress bar")
+    push.add_argument("--server", default=None, metavar="HOST:PORT",
+                      help="upload through a gateway's Upload RPC instead of to --store")
+    push.add_argument("--api-key", default=None, help="with --server (env LORAPLEX_API_KEY)")
     push.set_defaults(func=_guarded("push", _push))
 
     ls = sub.add_parser("ls", parents=[common], help="list the tenant's adapters")
@@ -96,6 +99,10 @@ def base_model_config(model: str) -> ModelConfig:
 
 
 def _push(args: argparse.Namespace) -> int:
+    if args.server:
+        from loraplex.server.commands import push_remote
+
+        return push_remote(args)
     from tqdm import tqdm
 
     from loraplex.adapter_store.blob import blob_size

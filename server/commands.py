@@ -23,8 +23,7 @@ DEFAULT_SERVER = "127.0.0.1:50051"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the service commands to the ``loraplex`` parser (after ``adapters``, whose
-    ``push`` gains ``--server``)."""
+    """Add the service commands to the ``loraplex`` parser."""
     from loraplex.server.cli import add_engine_args
 
     serve = subparsers.add_parser(
@@ -106,8 +105,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--targets", default="q_proj,v_proj", help="comma-separated modules")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo_adapter)
-
-    _extend_adapters_push(subparsers)
 
 
 # -- flags ----------------------------------------------------------------------------------------
@@ -274,28 +271,9 @@ def _demo_adapter(args: argparse.Namespace) -> int:
     return 0
 
 
-def _extend_adapters_push(subparsers: argparse._SubParsersAction) -> None:
+def push_remote(args: argparse.Namespace) -> int:
     """``loraplex adapters push --server HOST:PORT``: upload through the gateway's ``Upload``
     instead of writing the store directly."""
-    adapters = subparsers.choices.get("adapters")
-    if adapters is None:
-        return
-    groups = [a for a in adapters._actions if isinstance(a, argparse._SubParsersAction)]
-    push = groups[0].choices.get("push") if groups else None
-    if push is None:
-        return
-    push.add_argument("--server", default=None, metavar="HOST:PORT",
-                      help="upload through a gateway's Upload RPC instead of to --store")
-    push.add_argument("--api-key", default=None, help="with --server (env LORAPLEX_API_KEY)")
-    local = push.get_default("func")
-
-    def run(args: argparse.Namespace) -> int:
-        return _push_remote(args) if args.server else local(args)
-
-    push.set_defaults(func=run)
-
-
-def _push_remote(args: argparse.Namespace) -> int:
     import getpass
 
     from loraplex.adapter_store.store import DEFAULT_TENANT
