@@ -27,8 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.kernels.metadata import AttentionMetadata
-from loraplex.kernels.sgmv import (
+from loraplex.kernels.launch import (
     Launch,
     check_dtype,
     check_kernel_device,
@@ -36,6 +35,7 @@ from loraplex.kernels.sgmv import (
     dot_precision,
     num_sms,
 )
+from loraplex.kernels.metadata import AttentionMetadata
 
 __all__ = ["AttentionPlan", "attention_launches", "paged_attention", "plan_attention", "write_kv"]
 

@@ -3,6 +3,8 @@ kernels are tested against. Signatures match the Triton launchers one to one."""
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -52,10 +54,10 @@ def paged_attention(q: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetad
     """
     pool = kv_view(kv_pool, page_size, num_kv_heads)
     out = torch.empty_like(q)
+    starts = list(itertools.accumulate(meta.q_lens, initial=0))
     decode_rows = [s for s, n in enumerate(meta.q_lens) if n == 1]
     if decode_rows:
-        _decode(q, pool, meta, decode_rows, out, scale)
-    starts = meta.query_start.tolist() if len(decode_rows) < meta.num_seqs else []
+        _decode(q, pool, meta, decode_rows, starts, out, scale)
     for s, n in enumerate(meta.q_lens):
         if n > 1:
             rows = slice(starts[s], starts[s] + n)
@@ -66,12 +68,14 @@ def paged_attention(q: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetad
 
 def _gather_kv(pool: torch.Tensor, pages: torch.Tensor, length: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    # pages: [..., n_pages] -> K, V: [..., n_pages * P, Hkv, D] truncated to length
-    kv = pool[pages.long()]  # [..., n_pages, 2, P, Hkv, D]
-    shape = kv.shape
-    merged = (*shape[:-5], shape[-5] * shape[-3], shape[-2], shape[-1])
-    k = kv.select(-4, 0).reshape(merged)[..., :length, :, :]
-    v = kv.select(-4, 1).reshape(merged)[..., :length, :, :]
+    # pages: [..., n_pages] -> K, V: [..., n_pages * P, Hkv, D] truncated to length.
+    # Gathering the K and V halves of the pages separately copies each token once, and the
+    # copied pages are contiguous, so merging pages with in-page positions is a view.
+    page_size = pool.shape[2]
+    flat = pages.reshape(-1)
+    shape = (*pages.shape[:-1], pages.shape[-1] * page_size, *pool.shape[3:])
+    k = pool[:, 0].index_select(0, flat).view(shape)[..., :length, :, :]
+    v = pool[:, 1].index_select(0, flat).view(shape)[..., :length, :, :]
     return k, v
 
 
@@ -82,41 +86,71 @@ def _prefill_one(q: torch.Tensor, pool: torch.Tensor, pages: torch.Tensor, seq_l
     k, v = _gather_kv(pool, pages[: -(-seq_len // page_size)], seq_len)  # [L, Hkv, D]
     group = num_heads // num_kv_heads
     qh = q.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
-    qh = qh.reshape(num_kv_heads, group * n, head_dim)
-    q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
-    mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [n, L]
-    mask = mask.repeat(group, 1)  # [G*n, L]
-    o = F.scaled_dot_product_attention(qh, k.transpose(0, 1), v.transpose(0, 1),
-                                       attn_mask=mask, scale=scale)  # [Hkv, G*n, D]
+    # 4-d inputs take torch's fused (flash) CPU kernel; the query groups of a KV head are
+    # folded into the query length, so K/V are never repeated per query head.
+    qh = qh.reshape(1, num_kv_heads, group * n, head_dim)
+    kh, vh = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, L, D]
+    if group == 1 and n == seq_len:  # the whole sequence: plain causal, no mask to read
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    else:
+        q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [n, L]
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask.repeat(group, 1),
+                                           scale=scale)  # [1, Hkv, G*n, D]
     return o.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(
         n, num_heads, head_dim)
 
 
+# Decode sequences are attended in groups of this many, sorted by length, so that padding each
+# group to its longest sequence wastes little memory traffic.
+_DECODE_GROUP = 16
+
+
 def _decode(q: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadata, rows: list[int],
-            out: torch.Tensor, scale: float) -> None:
-    page_size, num_kv_heads = pool.shape[2], pool.shape[3]
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    group = num_heads // num_kv_heads
-    all_decode = len(rows) == meta.num_seqs
-    lens = [meta.seq_lens_host[s] for s in rows]
+            starts: list[int], out: torch.Tensor, scale: float) -> None:
+    # Decode reads every cached token once per layer for one query each: it is bound by memory
+    # traffic, not FLOPs. So K/V are gathered head-major ([seq, head, pos, D], one copy of each
+    # row) for two batched matmuls, rather than gathered per page and handed to SDPA, which
+    # would read strided K/V (slowly, in bf16) or need a second, transposing copy.
+    order = sorted(rows, key=lambda s: meta.seq_lens_host[s])
+    for i in range(0, len(order), _DECODE_GROUP):
+        seqs = order[i:i + _DECODE_GROUP]
+        _decode_group(q, pool, meta, seqs, [starts[s] for s in seqs], out, scale)
+
+
+def _decode_group(q: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadata,
+                  seqs: list[int], tokens: list[int], out: torch.Tensor, scale: float) -> None:
+    page_size, num_kv_heads, head_dim = pool.shape[2], pool.shape[3], pool.shape[4]
+    num_seqs, group = len(seqs), q.shape[1] // num_kv_heads
+    lens = [meta.seq_lens_host[s] for s in seqs]
     max_len = max(lens)
-    rows_t = None if all_decode else torch.tensor(rows, device=q.device)
-    table = meta.page_table if rows_t is None else meta.page_table[rows_t]
-    k, v = _gather_kv(pool, table[:, : -(-max_len // page_size)], max_len)  # [B, L, Hkv, D]
-    tok = rows_t if rows_t is not None else None
-    if tok is not None:
-        tok = meta.query_start[rows_t].long()
-    qd = q if tok is None else q[tok]  # [B, Hq, D]
-    qh = qd.view(len(rows), num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
-    lens_t = meta.seq_lens if rows_t is None else meta.seq_lens[rows_t]
-    mask = torch.arange(max_len, device=q.device)[None, :] < lens_t[:, None]  # [B, L]
-    o = F.scaled_dot_product_attention(qh, k.transpose(1, 2), v.transpose(1, 2),
-                                       attn_mask=mask[:, None, None, :], scale=scale)
-    o = o.reshape(len(rows), num_heads, head_dim)
-    if tok is None:
-        out.copy_(o)
-    else:
-        out[tok] = o
+    device = q.device
+    pos = torch.arange(max_len, device=device)
+    seq_ids = torch.tensor(seqs, device=device)
+    # Row of (page, K, pos, head 0) in the pool seen as [rows, D]; V rows follow P*Hkv later.
+    # Past a sequence's end, positions read its table's padding (page 0) and are masked.
+    pages = meta.page_table[seq_ids][:, pos // page_size].long()  # [S, L]
+    first = (pages * 2 * page_size + pos % page_size) * num_kv_heads  # [S, L]
+    heads = torch.arange(num_kv_heads, device=device)
+    k_rows = (first[:, None, :] + heads[None, :, None]).reshape(-1)  # [S * Hkv * L]
+    rows = pool.view(-1, head_dim)
+    k = rows.index_select(0, k_rows).view(num_seqs * num_kv_heads, max_len, head_dim)
+    tok = torch.tensor(tokens, device=device)
+    qg = q.index_select(0, tok).view(num_seqs * num_kv_heads, group, head_dim)
+    scores = torch.bmm(qg, k.transpose(1, 2)).float().mul_(scale)  # [S * Hkv, G, L]
+    if lens[0] < max_len:
+        pad = pos[None, :] >= torch.tensor(lens, device=device)[:, None]  # [S, L]
+        scores.view(num_seqs, num_kv_heads * group, max_len).masked_fill_(
+            pad[:, None, :], float("-inf"))
+    probs = scores.softmax(-1).to(q.dtype)
+    # probs @ V as one weighted sum of V rows per (sequence, query head): embedding_bag reads
+    # the rows in place, which saves gathering V (a third of decode attention's traffic).
+    v_rows = (k_rows + page_size * num_kv_heads).view(num_seqs, num_kv_heads, 1, max_len)
+    v_rows = v_rows.expand(-1, -1, group, -1).reshape(-1)  # [S * Hq * L]
+    bags = torch.arange(0, v_rows.numel(), max_len, device=device)
+    o = F.embedding_bag(v_rows, rows, bags, mode="sum",
+                        per_sample_weights=probs.reshape(-1))  # [S * Hq, D]
+    out.index_copy_(0, tok, o.view(num_seqs, -1, head_dim))
 
 
 def region_rows(pool: torch.Tensor, pages: torch.Tensor, offset: int, num_rows: int,

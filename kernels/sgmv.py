@@ -9,7 +9,8 @@ this module's ``A`` and ``B^T`` rows in its adapter's region. Region element ``e
 Each op is one launch across all segments and ranks. Loads are masked to each segment's own
 rank, so a rank-8 segment moves rank-8 bytes even when another segment in the batch has rank
 64; the rank tile is padded to >= 16 only in registers (the GPU compiler rejects smaller
-``tl.dot`` tiles). There are two paths, picked on the host from sizes alone (no device sync):
+``tl.dot`` tiles). There are two paths, picked on the host from sizes alone (no device sync) by
+``sgmv_plan.py``:
 
 * ``bgmv`` (decode): one program per token and tile; the program finds its segment by counting
   segment ends, and reduces with elementwise multiply-adds (no tensor cores needed for one row).
@@ -29,60 +30,35 @@ does, and accumulates in float32.
 
 from __future__ import annotations
 
-import functools
 import math
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels.launch import (
+    Launch,
+    check_dtype,
+    check_kernel_device,
+    check_same_device,
+    dot_precision,
+    floor_pow2,
+    num_sms,
+)
 from loraplex.kernels.layout import ALIGN
+from loraplex.kernels.sgmv_plan import (
+    SgmvPlan,
+    check_plan,
+    num_tiles,
+    plan_expand,
+    plan_shrink,
+)
 
-__all__ = ["Launch", "SgmvPlan", "expand_launch", "plan_expand", "plan_shrink", "sgmv_expand",
-           "sgmv_shrink", "shrink_launch"]
-
-
-# --------------------------------------------------------------------------- launcher checks
-# (also used by paged_attention.py)
-
-
-def check_kernel_device(t: torch.Tensor) -> None:
-    """Triton kernels run on CUDA, or anywhere under ``TRITON_INTERPRET=1``."""
-    if t.device.type != "cuda" and not triton.knobs.runtime.interpret:
-        raise ValueError(f"Triton kernels need a CUDA tensor (or TRITON_INTERPRET=1), "
-                         f"got device {t.device}")
-
-
-def check_same_device(*tensors: torch.Tensor) -> None:
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-
-
-def check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
-    if t.dtype not in allowed:
-        raise ValueError(f"{name}: expected dtype in {[str(d) for d in allowed]}, got {t.dtype}")
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    # float32 stays IEEE on the GPU (tl.dot would use tf32 by default): float32 parity needs it
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-@functools.cache
-def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def num_sms(device: torch.device) -> int:
-    """Multiprocessors of ``device``; 4 off CUDA (the interpreter: keep grids small)."""
-    return _sms(device) if device.type == "cuda" else 4
-
-
-def floor_pow2(n: int) -> int:
-    return 1 << (max(n, 1).bit_length() - 1)
+# Names that moved to launch.py and sgmv_plan.py stay importable from here.
+__all__ = ["Launch", "SgmvPlan", "check_dtype", "check_kernel_device", "check_same_device",
+           "dot_precision", "expand_launch", "floor_pow2", "num_sms", "plan_expand",
+           "plan_shrink", "sgmv_expand", "sgmv_shrink", "shrink_launch"]
 
 
 # --------------------------------------------------------------------------- device helpers
@@ -301,126 +277,21 @@ def _expand_sgmv_kernel(
     tl.store(y_rows, y.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
-# --------------------------------------------------------------------------- plans
+# --------------------------------------------------------------------------- launches
+# (a plan from sgmv_plan.py, made into the launch that runs it)
 
 
-@dataclass(frozen=True)
-class SgmvPlan:
-    """Block sizes and grid of one shrink or expand launch, chosen on the host from sizes.
-
-    Attributes:
-        path: ``"bgmv"`` (one program per token: decode) or ``"sgmv"`` (tiles of ``block_m``
-            tokens of one segment: prefill).
-        block_m: tokens per tile (``1`` on the bgmv path).
-        block_r: rank tile: a power of two, >= 16 (``tl.dot`` minimum on the GPU), <= 64.
-        block_d: shrink: ``d_in`` columns per step; expand: ``d_out`` columns per program.
-            A power of two in ``[16, page_elems]``, so one step spans at most two pages.
-        split_k: shrink only: programs sharing one tile's ``d_in`` loop (atomic float32 adds).
-        num_warps: warps per program.
-    """
-
-    path: str
-    block_m: int
-    block_r: int
-    block_d: int
-    split_k: int = 1
-    num_warps: int = 4
-
-    def __post_init__(self) -> None:
-        if self.path not in ("bgmv", "sgmv"):
-            raise ValueError(f"path: must be 'bgmv' or 'sgmv', got {self.path!r}")
-        for name in ("block_r", "block_d"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name}: must be a power of two >= 16, got {value}")
-        if self.path == "sgmv" and (self.block_m < 16 or self.block_m & (self.block_m - 1)):
-            raise ValueError(f"block_m: must be a power of two >= 16, got {self.block_m}")
-        if self.path == "bgmv" and self.block_m != 1:
-            raise ValueError(f"block_m: must be 1 on the bgmv path, got {self.block_m}")
-        if self.split_k < 1 or self.num_warps < 1:
-            raise ValueError("split_k and num_warps must be >= 1")
+_MAX_BLOCK_S = 1024  # segments a program scans per step when it looks up its segment
 
 
-def _block_r(max_rank: int) -> int:
-    return min(max(16, triton.next_power_of_2(max_rank)), 64)
-
-
-def _block_d(want: int, d: int, page_elems: int) -> int:
-    return max(16, min(want, triton.next_power_of_2(d), floor_pow2(page_elems)))
-
-
-def _num_warps(path: str, block_r: int, block_d: int) -> int:
-    if path == "sgmv":
-        return 4
-    # bgmv: about 8 elements (16 bytes of 16-bit weights) per thread and load
-    return max(1, min(4, block_r * block_d // 1024))
-
-
-def _tile_shape(num_tokens: int, num_segments: int) -> tuple[str, int]:
-    """(path, block_m) for this many tokens per segment on average."""
-    per_segment = num_tokens / num_segments
-    if per_segment < 4:  # mostly single-token segments: a 16-row dot tile would be mostly empty
-        return "bgmv", 1
-    return "sgmv", 16 if per_segment < 32 else 32 if per_segment < 64 else 64
-
-
-def _num_tiles(path: str, block_m: int, num_tokens: int, num_segments: int) -> int:
-    # sgmv: sum of cdiv(len_s, block_m) <= T / block_m + S, and <= T
-    if path == "bgmv":
-        return num_tokens
-    return min(num_tokens, triton.cdiv(num_tokens, block_m) + num_segments)
-
-
-def plan_shrink(num_tokens: int, num_segments: int, d_in: int, max_rank: int, page_elems: int,
-                sms: int) -> SgmvPlan:
-    """The shrink launch for these sizes on a device with ``sms`` multiprocessors."""
-    path, block_m = _tile_shape(num_tokens, num_segments)
-    block_r = _block_r(max_rank)
-    programs = _num_tiles(path, block_m, num_tokens, num_segments) * triton.cdiv(max_rank,
-                                                                                 block_r)
-    # bgmv keeps a [block_r, block_d] float32 accumulator per program: ~4096 elements
-    want = max(32, 4096 // block_r) if path == "bgmv" else 64
-    if programs < 4 * sms:  # few programs: shorter steps, so that more can share one row
-        want = min(want, 64)
-    block_d = _block_d(want, d_in, page_elems)
-    k_steps = triton.cdiv(d_in, block_d)
-    # a memory-bound launch wants several programs per SM to keep enough loads in flight
-    split_k = 1
-    if programs < 4 * sms and k_steps >= 4:
-        split_k = min(triton.cdiv(4 * sms, programs), k_steps // 2, 64)
-    return SgmvPlan(path, block_m, block_r, block_d, split_k, _num_warps(path, block_r, block_d))
-
-
-def plan_expand(num_tokens: int, num_segments: int, d_out: int, max_rank: int, page_elems: int,
-                sms: int) -> SgmvPlan:
-    """The expand launch for these sizes on a device with ``sms`` multiprocessors."""
-    path, block_m = _tile_shape(num_tokens, num_segments)
-    block_r = _block_r(max_rank)
-    tiles = _num_tiles(path, block_m, num_tokens, num_segments)
-    want = 256 if path == "bgmv" else 128
-    if path == "bgmv":
-        want = min(want, max(32, 4096 // block_r))
-    # narrower column tiles until there are enough programs to fill the device
-    while want > 32 and tiles * triton.cdiv(d_out, want) < 2 * sms:
-        want //= 2
-    block_d = _block_d(want, d_out, page_elems)
-    num_warps = 8 if block_m * block_d >= 8192 else _num_warps(path, block_r, block_d)
-    return SgmvPlan(path, block_m, block_r, block_d, num_warps=num_warps)
-
-
-class Launch(NamedTuple):
-    """One kernel launch as the launcher makes it: kernel, grid and compile-time arguments
-    (``num_warps`` included). Lets a check compile exactly what would run."""
-
-    kernel: Any
-    grid: tuple[int, ...]
-    constexprs: dict[str, Any]
+def _block_s(num_segments: int) -> int:
+    return min(triton.next_power_of_2(num_segments), _MAX_BLOCK_S)
 
 
 def shrink_launch(plan: SgmvPlan, num_tokens: int, num_segments: int, max_rank: int,
                   dtype: torch.dtype, row_align: int) -> Launch:
     """The shrink launch for ``plan`` (``row_align``: see ``_weight_ptrs``)."""
-    grid = (_num_tiles(plan.path, plan.block_m, num_tokens, num_segments),
+    grid = (num_tiles(plan.path, plan.block_m, num_tokens, num_segments),
             triton.cdiv(max_rank, plan.block_r), plan.split_k)
     meta: dict[str, Any] = dict(BLOCK_R=plan.block_r, BLOCK_K=plan.block_d,
                                 BLOCK_S=_block_s(num_segments), SPLIT_K=plan.split_k,
@@ -434,7 +305,7 @@ def shrink_launch(plan: SgmvPlan, num_tokens: int, num_segments: int, max_rank: 
 def expand_launch(plan: SgmvPlan, num_tokens: int, num_segments: int, d_out: int,
                   dtype: torch.dtype, row_align: int) -> Launch:
     """The expand launch for ``plan``."""
-    grid = (_num_tiles(plan.path, plan.block_m, num_tokens, num_segments),
+    grid = (num_tiles(plan.path, plan.block_m, num_tokens, num_segments),
             triton.cdiv(d_out, plan.block_d))
     meta: dict[str, Any] = dict(BLOCK_R=plan.block_r, BLOCK_N=plan.block_d,
                                 BLOCK_S=_block_s(num_segments), ROW_ALIGN=row_align,
@@ -489,13 +360,6 @@ def _row_align(pool: torch.Tensor, d: int) -> int:
     return math.gcd(ALIGN, d, pool.shape[1], pool.stride(0), start)
 
 
-_MAX_BLOCK_S = 1024  # segments a program scans per step when it looks up its segment
-
-
-def _block_s(num_segments: int) -> int:
-    return min(triton.next_power_of_2(num_segments), _MAX_BLOCK_S)
-
-
 def sgmv_shrink(x: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor,
                 seg_indptr: torch.Tensor, ranks: torch.Tensor, a_offsets: torch.Tensor,
                 max_rank: int, *, plan: SgmvPlan | None = None) -> torch.Tensor:
@@ -536,7 +400,7 @@ def sgmv_shrink(x: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor,
     page_elems = pool.shape[1]
     plan = plan or plan_shrink(num_tokens, num_segments, d_in, max_rank, page_elems,
                                num_sms(x.device))
-    _check_plan(plan, page_elems)
+    check_plan(plan, page_elems)
     alloc = torch.zeros if plan.split_k > 1 else torch.empty
     h = alloc(num_tokens, max_rank, dtype=torch.float32, device=x.device)  # [T, max_rank]
     launch = shrink_launch(plan, num_tokens, num_segments, max_rank, x.dtype,
@@ -592,7 +456,7 @@ def sgmv_expand(h: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor,
     page_elems = pool.shape[1]
     plan = plan or plan_expand(num_tokens, num_segments, d_out, max_rank, page_elems,
                                num_sms(y.device))
-    _check_plan(plan, page_elems)
+    check_plan(plan, page_elems)
     launch = expand_launch(plan, num_tokens, num_segments, d_out, y.dtype,
                            _row_align(pool, d_out))
     launch.kernel[launch.grid](
@@ -600,8 +464,3 @@ def sgmv_expand(h: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor,
         num_segments, d_out, max_rank, page_elems, page_table.shape[1],
         h.stride(0), pool.stride(0), page_table.stride(0), y.stride(0), **launch.constexprs)
 
-
-def _check_plan(plan: SgmvPlan, page_elems: int) -> None:
-    if plan.block_d > page_elems:
-        raise ValueError(f"plan.block_d: {plan.block_d} exceeds page_elems {page_elems}; a step "
-                         "may span at most two pages")

@@ -230,14 +230,24 @@ class AdapterManager:
             self.pager.unpin(request.adapter_digest)
 
     def _copy_in(self, host: HostAdapter, pages: list[int]) -> None:
-        # Page-sized contiguous chunks: one copy per page for all layers at once.
+        # One copy of the whole region, then a scatter of its pages on the device. On CUDA the
+        # source is the whole contiguous pinned tensor, so the copy is truly asynchronous (a
+        # strided slice of it would be staged through pageable memory). The copy stream first
+        # waits for the work queued on the compute stream: pages just freed may still be read
+        # or written by a step in flight (one in which nothing sampled, so nothing synced).
         stream_ctx = (torch.cuda.stream(self._copy_stream) if self._copy_stream is not None
                       else _nullcontext())
+        if self._copy_stream is not None:
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.pools.device))
         with stream_ctx:
             n, e = host.layout.num_elems, self.page_elems
-            for k, page in enumerate(pages):
-                chunk = host.flat[:, k * e:min((k + 1) * e, n)]
-                self.pools[:, page, :chunk.shape[1]].copy_(chunk, non_blocking=self._pin)
+            full = n // e  # pages the region fills; the last may be partly used
+            flat = host.flat.to(self.pools.device, non_blocking=self._pin)  # [num_layers, n]
+            if full:
+                index = torch.tensor(pages[:full], device=self.pools.device)
+                self.pools.index_copy_(1, index, flat[:, :full * e].view(-1, full, e))
+            if n > full * e:
+                self.pools[:, pages[full], :n - full * e].copy_(flat[:, full * e:])
             if self._copy_stream is not None:
                 event = torch.cuda.Event()
                 event.record(self._copy_stream)

@@ -33,6 +33,7 @@ from loraplex.server.engine.request import (
 from loraplex.server.engine.sampler import sample
 from loraplex.server.engine.scheduler import Scheduler
 from loraplex.server.engine.tokenizer import Detokenizer, Tokenizer
+from loraplex.server.engine.warmup import warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -114,10 +115,19 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         self._num_steps = 0
+        if self.device.type == "cuda" and kernels == "triton":
+            self.warmup()
         logger.info("engine ready: %s, %s, %d pages of %d tokens, kernels=%s",
                     self.model_path, config.dtype, num_pages, config.page_size, kernels)
 
     # -- set-up ------------------------------------------------------------------------------
+    def warmup(self) -> None:
+        """Compile the kernels before serving: run the model on two dummy steps (a mixed one
+        and a decode-only one, with and without a LoRA segment) on borrowed free pages, which
+        all return to the pager. Called by ``__init__`` with Triton kernels on CUDA."""
+        rank = min(16, self.config.max_rank) if self.adapters is not None else None
+        warm_up(self.runner, self.pager, self.max_model_len, rank)
+
     def _max_model_len(self) -> int:
         length = self.model_config.max_position_embeddings
         if self.model_config.sliding_window:

@@ -3,8 +3,9 @@ requests whose known tokens are now all computed (those sample a new token)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -44,9 +45,20 @@ class ModelRunner:
         self.write_kv, self.attention = attention_kernels(kernels)
         self.lora_ops = lora_ops(kernels)
 
+    def device_context(self) -> contextlib.AbstractContextManager[Any]:
+        """Makes the model's GPU the current device. Triton launches on the current device,
+        which is per thread (device 0 in a thread that never set it), not on its tensors'."""
+        if self.device.type == "cuda":
+            return torch.cuda.device(self.device)
+        return contextlib.nullcontext()
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, adapters: AdapterManager | None = None) -> RunOutput:
         """Compute ``batch``; logits only for the requests that will sample."""
+        with self.device_context():
+            return self._run(batch, adapters)
+
+    def _run(self, batch: ScheduledBatch, adapters: AdapterManager | None) -> RunOutput:
         # Requests of one adapter run as one segment: order the batch by adapter.
         order = sorted(zip(batch.requests, batch.num_new_tokens),
                        key=lambda rn: rn[0].adapter_digest or "")
@@ -85,9 +97,13 @@ class ModelRunner:
 
     def _lora_batch(self, requests: list[Request], counts: list[int],
                     adapters: AdapterManager | None) -> LoraBatch | None:
-        if adapters is None or all(r.adapter_digest is None for r in requests):
+        if adapters is None:
             return None
+        # Every step waits for the copies issued before it, even one with no LoRA request:
+        # pages whose copy was issued for a request that never ran may now hold this step's KV.
         adapters.wait_for_copies()
+        if all(r.adapter_digest is None for r in requests):
+            return None
         segments: list[str | None] = []
         seg_lens: list[int] = []
         for req, n in zip(requests, counts):

@@ -21,9 +21,13 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int],
         token ids and, per request that asked for them, the chosen token's logprob with top-n.
     """
     token_ids = logits.argmax(dim=-1).tolist()
-    for i, req in enumerate(requests):
-        if not req.params.greedy:
-            token_ids[i] = _sample_row(logits[i], req)
+    drawn = [i for i, r in enumerate(requests) if not r.params.greedy]
+    if drawn:
+        # Request generators are CPU generators (seeded draws do not depend on the device),
+        # and torch refuses a CPU generator for CUDA tensors: draw from a CPU copy of the rows.
+        rows = logits[drawn].cpu()  # [len(drawn), vocab]
+        for row, i in zip(rows, drawn):
+            token_ids[i] = _sample_row(row, requests[i])
     logprobs: list[TokenLogprob | None] = [None] * len(requests)
     wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
     if wanted:

@@ -27,6 +27,7 @@ def dense_attention(q, k, v, n_ctx, scale):
     ([1, 1, 1], [0, 5, 40]),          # pure decode
     ([7, 1, 13, 1], [0, 9, 20, 31]),  # mixed prefill chunks and decodes
     ([33], [0]),                      # one prompt spanning several pages
+    ([1] * 19 + [5], [(5 * i) % 13 for i in range(19)] + [3]),  # decodes in two groups
 ])
 def test_paged_attention_matches_dense(q_lens, ctx_lens):
     torch.manual_seed(0)
