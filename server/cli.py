@@ -122,10 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--temperature", type=float, default=0.0)
     run.set_defaults(func=_run)
     from loraplex.adapter_store.cli import register as register_adapters
+    from loraplex.loadtest.cli import register as register_bench
     from loraplex.server.commands import register as register_service
 
     register_adapters(sub)
     register_service(sub)
+    register_bench(sub)
     return parser
 
 
