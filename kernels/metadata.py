@@ -3,7 +3,7 @@ shared by every layer (so no layer recomputes indices or masks)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,7 @@ class AttentionMetadata:
         slot_mapping: ``[T]`` int64, ``page * page_size + offset`` where each token's K/V goes.
         q_lens / seq_lens_host: the same lengths as host lists (no device sync to read them).
         max_query_len / max_seq_len: maxima of those lists.
+        derived: per-step cache of what kernels compute from the fields above.
     """
 
     page_table: torch.Tensor
@@ -33,6 +34,9 @@ class AttentionMetadata:
     seq_lens_host: tuple[int, ...]
     max_query_len: int
     max_seq_len: int
+    # Index tensors a kernel derives from this metadata at its first layer and reuses in the
+    # others, keyed by that kernel (a cache, not part of the metadata's value).
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -49,26 +53,28 @@ class AttentionMetadata:
         num_seqs = len(q_lens)
         if not (len(page_tables) == len(seq_lens) == num_seqs) or num_seqs == 0:
             raise ValueError("page_tables, q_lens and seq_lens must be non-empty and equal length")
-        max_pages = max(len(p) for p in page_tables)
-        table = torch.zeros(num_seqs, max(max_pages, 1), dtype=torch.int32)
-        slots: list[int] = []
+        max_pages = max(max(len(p) for p in page_tables), 1)
         for s, pages in enumerate(page_tables):
-            if pages:
-                table[s, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-            start = seq_lens[s] - q_lens[s]
-            if start < 0 or -(-seq_lens[s] // page_size) > len(pages):
+            if seq_lens[s] < q_lens[s] or -(-seq_lens[s] // page_size) > len(pages):
                 raise ValueError(f"sequence {s}: {seq_lens[s]} tokens do not fit "
                                  f"{len(pages)} pages")
-            for pos in range(start, seq_lens[s]):
-                slots.append(pages[pos // page_size] * page_size + pos % page_size)
-        query_start = [0]
-        for n in q_lens:
-            query_start.append(query_start[-1] + n)
+        # One host tensor per field and the slot mapping in a few vector ops, rather than a
+        # Python loop over every token of the step (thousands in a prefill chunk).
+        table = torch.tensor([p + [0] * (max_pages - len(p)) for p in page_tables],
+                             dtype=torch.int64)  # [S, max_pages]
+        q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64)
+        query_start = torch.zeros(num_seqs + 1, dtype=torch.int64)
+        torch.cumsum(q_lens_t, 0, out=query_start[1:])
+        seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), q_lens_t)  # [T]
+        pos = (torch.arange(int(query_start[-1])) - query_start[seq_of_token]
+               + (seq_lens_t - q_lens_t)[seq_of_token])  # [T]
+        slots = table[seq_of_token, pos // page_size] * page_size + pos % page_size
         return cls(
-            page_table=table.to(device),
-            query_start=torch.tensor(query_start, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            page_table=table.to(device=device, dtype=torch.int32),
+            query_start=query_start.to(device=device, dtype=torch.int32),
+            seq_lens=seq_lens_t.to(device=device, dtype=torch.int32),
+            slot_mapping=slots.to(device),
             q_lens=tuple(q_lens),
             seq_lens_host=tuple(seq_lens),
             max_query_len=max(q_lens),

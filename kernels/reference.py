@@ -4,6 +4,7 @@ kernels are tested against. Signatures match the Triton launchers one to one."""
 from __future__ import annotations
 
 import itertools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -106,51 +107,77 @@ def _prefill_one(q: torch.Tensor, pool: torch.Tensor, pages: torch.Tensor, seq_l
 _DECODE_GROUP = 16
 
 
+class _DecodeGroup(NamedTuple):
+    tokens: torch.Tensor  # [S] rows of q and out
+    k_rows: torch.Tensor  # [S * Hkv * L] K rows of the pool seen as [rows, D]
+    v_rows: torch.Tensor  # [S * Hq * L] V rows, a run of L per (sequence, query head)
+    bags: torch.Tensor  # [S * Hq] where each run starts in v_rows
+    pad: torch.Tensor | None  # [S, 1, L] True past a sequence's end
+    max_len: int
+
+
 def _decode(q: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadata, rows: list[int],
             starts: list[int], out: torch.Tensor, scale: float) -> None:
     # Decode reads every cached token once per layer for one query each: it is bound by memory
-    # traffic, not FLOPs. So K/V are gathered head-major ([seq, head, pos, D], one copy of each
-    # row) for two batched matmuls, rather than gathered per page and handed to SDPA, which
-    # would read strided K/V (slowly, in bf16) or need a second, transposing copy.
+    # traffic, not FLOPs. So K is gathered head-major ([seq, head, pos, D], one copy of each
+    # row) for a batched matmul, and probs @ V is one weighted sum of V rows per (sequence,
+    # query head) that embedding_bag reads in place, rather than gathering K/V per page for
+    # SDPA, which reads strided K/V slowly (in bf16 above all) or needs a transposing copy.
+    page_size, num_kv_heads, head_dim = pool.shape[2], pool.shape[3], pool.shape[4]
+    group = q.shape[1] // num_kv_heads
+    key = ("reference.decode", page_size, num_kv_heads, group)
+    plan = meta.derived.get(key)
+    if plan is None:  # the first layer of the step; the others reuse the indices
+        plan = meta.derived[key] = _decode_plan(meta, rows, starts, page_size, num_kv_heads,
+                                                group)
+    flat = pool.view(-1, head_dim)
+    # One K buffer per step for every group and layer: fresh multi-MB tensors cost page faults
+    # that can take longer than the copy itself.
+    buf_key = ("reference.decode.k", flat.dtype)
+    k_buf = meta.derived.get(buf_key)
+    if k_buf is None:
+        k_buf = meta.derived[buf_key] = flat.new_empty(max(g.k_rows.numel() for g in plan),
+                                                       head_dim)
+    for g in plan:
+        num_seqs = g.tokens.numel()
+        k = torch.index_select(flat, 0, g.k_rows, out=k_buf[:g.k_rows.numel()])
+        k = k.view(num_seqs * num_kv_heads, g.max_len, head_dim)
+        qg = q.index_select(0, g.tokens).view(num_seqs * num_kv_heads, group, head_dim)
+        scores = torch.bmm(qg, k.transpose(1, 2)).float().mul_(scale)  # [S * Hkv, G, L]
+        if g.pad is not None:
+            scores.view(num_seqs, -1, g.max_len).masked_fill_(g.pad, float("-inf"))
+        probs = scores.softmax(-1).to(q.dtype)
+        o = F.embedding_bag(g.v_rows, flat, g.bags, mode="sum",
+                            per_sample_weights=probs.reshape(-1))  # [S * Hq, D]
+        out.index_copy_(0, g.tokens, o.view(num_seqs, -1, head_dim))
+
+
+def _decode_plan(meta: AttentionMetadata, rows: list[int], starts: list[int], page_size: int,
+                 num_kv_heads: int, group: int) -> list[_DecodeGroup]:
+    device = meta.page_table.device
+    heads = torch.arange(num_kv_heads, device=device)
     order = sorted(rows, key=lambda s: meta.seq_lens_host[s])
+    plan = []
     for i in range(0, len(order), _DECODE_GROUP):
         seqs = order[i:i + _DECODE_GROUP]
-        _decode_group(q, pool, meta, seqs, [starts[s] for s in seqs], out, scale)
-
-
-def _decode_group(q: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadata,
-                  seqs: list[int], tokens: list[int], out: torch.Tensor, scale: float) -> None:
-    page_size, num_kv_heads, head_dim = pool.shape[2], pool.shape[3], pool.shape[4]
-    num_seqs, group = len(seqs), q.shape[1] // num_kv_heads
-    lens = [meta.seq_lens_host[s] for s in seqs]
-    max_len = max(lens)
-    device = q.device
-    pos = torch.arange(max_len, device=device)
-    seq_ids = torch.tensor(seqs, device=device)
-    # Row of (page, K, pos, head 0) in the pool seen as [rows, D]; V rows follow P*Hkv later.
-    # Past a sequence's end, positions read its table's padding (page 0) and are masked.
-    pages = meta.page_table[seq_ids][:, pos // page_size].long()  # [S, L]
-    first = (pages * 2 * page_size + pos % page_size) * num_kv_heads  # [S, L]
-    heads = torch.arange(num_kv_heads, device=device)
-    k_rows = (first[:, None, :] + heads[None, :, None]).reshape(-1)  # [S * Hkv * L]
-    rows = pool.view(-1, head_dim)
-    k = rows.index_select(0, k_rows).view(num_seqs * num_kv_heads, max_len, head_dim)
-    tok = torch.tensor(tokens, device=device)
-    qg = q.index_select(0, tok).view(num_seqs * num_kv_heads, group, head_dim)
-    scores = torch.bmm(qg, k.transpose(1, 2)).float().mul_(scale)  # [S * Hkv, G, L]
-    if lens[0] < max_len:
-        pad = pos[None, :] >= torch.tensor(lens, device=device)[:, None]  # [S, L]
-        scores.view(num_seqs, num_kv_heads * group, max_len).masked_fill_(
-            pad[:, None, :], float("-inf"))
-    probs = scores.softmax(-1).to(q.dtype)
-    # probs @ V as one weighted sum of V rows per (sequence, query head): embedding_bag reads
-    # the rows in place, which saves gathering V (a third of decode attention's traffic).
-    v_rows = (k_rows + page_size * num_kv_heads).view(num_seqs, num_kv_heads, 1, max_len)
-    v_rows = v_rows.expand(-1, -1, group, -1).reshape(-1)  # [S * Hq * L]
-    bags = torch.arange(0, v_rows.numel(), max_len, device=device)
-    o = F.embedding_bag(v_rows, rows, bags, mode="sum",
-                        per_sample_weights=probs.reshape(-1))  # [S * Hq, D]
-    out.index_copy_(0, tok, o.view(num_seqs, -1, head_dim))
+        lens = [meta.seq_lens_host[s] for s in seqs]
+        max_len = lens[-1]
+        pos = torch.arange(max_len, device=device)
+        # Row of (page, K, pos, head 0) in the pool seen as [rows, D]; V rows follow P*Hkv
+        # later. Past a sequence's end, positions read its table's padding (page 0), masked.
+        pages = meta.page_table[torch.tensor(seqs, device=device)][:, pos // page_size]
+        first = (pages.long() * 2 * page_size + pos % page_size) * num_kv_heads  # [S, L]
+        k_rows = (first[:, None, :] + heads[None, :, None]).reshape(-1)
+        v_rows = (k_rows + page_size * num_kv_heads).view(len(seqs), num_kv_heads, 1, max_len)
+        v_rows = v_rows.expand(-1, -1, group, -1).reshape(-1)
+        pad = None
+        if lens[0] < max_len:
+            pad = (pos[None, :] >= torch.tensor(lens, device=device)[:, None])[:, None, :]
+        plan.append(_DecodeGroup(
+            tokens=torch.tensor([starts[s] for s in seqs], device=device), k_rows=k_rows,
+            v_rows=v_rows, bags=torch.arange(0, v_rows.numel(), max_len, device=device),
+            pad=pad, max_len=max_len))
+    return plan
 
 
 def region_rows(pool: torch.Tensor, pages: torch.Tensor, offset: int, num_rows: int,

@@ -1,0 +1,375 @@
+"""LoRA benchmark: loraplex with N adapters against its own base model and transformers + peft.
+
+The engine benchmark's model (random Llama: hidden 1024, 8 layers, 16 heads, intermediate 2816,
+vocab 32000) and trace (``--num-requests`` token-id prompts of 64-128 tokens, 32 new tokens,
+EOS ignored), plus N adapters on q, k, v and o (rank 8 for even indices, 16 for odd ones, so
+that N = 1 is all rank 8; lora_B nonzero), one drawn per request from Zipf(a=1) over N. Four
+systems run interleaved in this one process, on the same prompts and the same weights:
+
+* ``loraplex``: every request at once, each with its adapter (continuous batching, chunked
+  prefill, sorted adapter segments; adapters prefetched into the host cache before the timed
+  run, copied into the pool's pages during it);
+* ``loraplex-base``: the same engine and prompts without adapters;
+* ``peft-mixed``: transformers + peft, static batches of 16 in trace order, ``adapter_names``;
+* ``peft-grouped``: the requests of one adapter together, 16 at a time (up to
+  ``--grouped-max-n`` adapters: beyond that almost every batch holds one request).
+
+peft loads only the adapters the traces use, before timing. Reported per N: end-to-end output
+tokens/s (median over repeats), decode tokens/s (loraplex: median decode-only step with every
+request running; peft mixed: median decode step of full batches; peft grouped: all decode
+tokens over all decode time, its batches being of every size), the ratios against the issue's
+targets, and the pool's page split (KV and adapter pages, sampled after every step: max, mean).
+
+The N adapters are cheap to make: a few random bases per rank, adapter ``i`` reusing one with
+its own ``lora_alpha`` (a per-adapter scale), so every digest differs while the tensors are
+shared. The engine's host cache holds every adapter the traces use and its pool holds every
+request's KV beside the largest trace's adapters, so nothing is evicted for lack of room.
+
+Usage: ``OMP_NUM_THREADS=2 python benchmarks/lora_bench.py --out bench-out`` (about 20 minutes
+on a 2-core machine); ``--ns 1 64 --num-requests 16 --repeats 1 --num-layers 2`` for a quick
+run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from common import (  # noqa: E402
+    BENCH_HF_CONFIG,
+    EngineRun,
+    StepTiming,
+    build_model,
+    copy_bandwidth,
+    gemm_throughput,
+    make_requests,
+)
+from lora_report import (  # noqa: E402
+    SYSTEMS,
+    Measure,
+    PageSplit,
+    TraceInfo,
+    build_report,
+    print_table,
+)
+
+from loraplex.adapter_store.format import CanonicalAdapter, build_adapter  # noqa: E402,I001
+from loraplex.kernels.layout import adapter_layout, kv_page_elems  # noqa: E402
+from loraplex.loadtest.baseline import BaselineRequest  # noqa: E402
+from loraplex.loadtest.baseline_peft import StaticPeftBaseline, save_peft_dir  # noqa: E402
+from loraplex.loadtest.distributions import Popularity  # noqa: E402
+from loraplex.server import env  # noqa: E402
+from loraplex.server.config import EngineConfig, SchedulerConfig  # noqa: E402
+from loraplex.server.engine.engine import Engine  # noqa: E402
+from loraplex.server.engine.models.config import ModelConfig  # noqa: E402
+from loraplex.server.engine.request import SamplingParams  # noqa: E402
+
+RANKS = (8, 16)
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ns", type=int, nargs="+", default=[1, 8, 64, 512, 2048],
+                   help="adapter counts")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(64, 128), metavar=("MIN", "MAX"))
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3, help="loraplex runs per system and N")
+    p.add_argument("--peft-repeats", type=int, default=1,
+                   help="peft runs per system and N (the first repeats), to fit the budget")
+    p.add_argument("--peft-ns", type=int, nargs="*", default=[1, 64, 2048],
+                   help="the Ns peft runs at (those also in --ns), to fit the budget")
+    p.add_argument("--grouped-max-n", type=int, default=64,
+                   help="peft grouped runs only up to this N")
+    p.add_argument("--budget-min", type=float, default=28.0,
+                   help="start no repeat that would end after this many minutes")
+    p.add_argument("--batch-size", type=int, default=16, help="peft's static batch")
+    p.add_argument("--threads", type=int, default=2, help="torch threads, for every system")
+    p.add_argument("--num-layers", type=int, default=BENCH_HF_CONFIG["num_hidden_layers"],
+                   help="shrink the model for quick runs")
+    p.add_argument("--bases-per-rank", type=int, default=2,
+                   help="random weight sets each rank's adapters are derived from")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=SchedulerConfig().max_num_batched_tokens)
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="model and peft adapter directories (default: LORAPLEX_CACHE_DIR/bench)")
+    p.add_argument("--out", type=Path, default=None, help="directory for lora_bench.json")
+    return p.parse_args(argv)
+
+
+# -- adapters ----------------------------------------------------------------------------------
+class SyntheticAdapters:
+    """``num`` adapters by index, served by digest (an ``AdapterSource``).
+
+    Adapter ``i`` has rank ``RANKS[i % 2]``, the weights of base ``(i // 2) % bases_per_rank``
+    of that rank (random A and B, std 0.02), and ``lora_alpha = 2 r (1 + i / 8192)``: a scale of
+    its own, so its digest differs from every other's while the tensors are shared.
+    """
+
+    def __init__(self, config: ModelConfig, num: int, bases_per_rank: int, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        shapes = config.module_shapes()
+        bases = {}
+        for rank in RANKS:
+            for b in range(bases_per_rank):
+                bases[rank, b] = {
+                    (layer, m): (torch.randn(rank, shapes[m][0], generator=gen) * 0.02,
+                                 torch.randn(shapes[m][1], rank, generator=gen) * 0.02)
+                    for layer in range(config.num_layers) for m in TARGETS}
+        self.adapters: list[CanonicalAdapter] = []
+        for i in range(num):
+            rank = RANKS[i % 2]
+            self.adapters.append(build_adapter(
+                bases[rank, (i // 2) % bases_per_rank], rank=rank,
+                lora_alpha=2.0 * rank * (1.0 + i / 8192), base_config=config))
+        self._by_digest = {a.digest: a for a in self.adapters}
+
+    def fetch(self, digest: str) -> CanonicalAdapter:
+        return self._by_digest[digest]
+
+
+def adapter_indices(num_requests: int, num_adapters: int, seed: int) -> list[int]:
+    """Each request's adapter: Zipf(a=1) over ``num_adapters``, one draw per request (the same
+    uniform numbers for every N, so the traces differ only by N)."""
+    rng = np.random.default_rng(seed)
+    return Popularity("zipf", 1.0).sample(rng, num_requests, num_adapters).tolist()
+
+
+def adapter_name(index: int) -> str:
+    return f"a{index:04d}"
+
+
+# -- loraplex, driven step by step -------------------------------------------------------------
+def run_engine(engine: Engine, requests: Sequence[BaselineRequest],
+               digests: Sequence[str | None]) -> tuple[EngineRun, PageSplit, dict[str, int]]:
+    """``common.run_engine`` with an adapter per request, sampling ``engine.stats().pages``
+    after every step (outside the step's timing)."""
+    sched = engine.scheduler
+    before = engine.stats()
+    start = time.perf_counter()
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    for r, digest in zip(requests, digests):
+        engine.add_request(r.request_id, r.prompt_token_ids,
+                           SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
+                           adapter_digest=digest)
+    steps: list[StepTiming] = []
+    samples = []
+    while engine.has_unfinished():
+        running = sched.running
+        decode_only = (sched.num_waiting == 0 and bool(running)
+                       and all(r.num_tokens - r.num_computed_tokens == 1 for r in running))
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        outputs = engine.step()
+        steps.append(StepTiming(time.perf_counter() - t0, time.process_time() - cpu0,
+                                len(running) if decode_only else 0))
+        for out in outputs:
+            tokens[out.request_id].extend(out.new_token_ids)
+        samples.append(engine.stats().pages)
+    wall = time.perf_counter() - start
+    after = engine.stats()
+    kv = [p.num_kv for p in samples]
+    ad = [p.num_adapter for p in samples]
+    # prefix caching is off, so every evictable page is a cached adapter's
+    pinned = [p.num_adapter - p.num_evictable for p in samples]
+    split = PageSplit(after.pages.num_pages, max(kv), sum(kv) / len(kv), max(ad),
+                      sum(ad) / len(ad), max(pinned), max(p.num_prefix for p in samples))
+    counters = {k: getattr(after, k) - getattr(before, k)
+                for k in ("adapter_loads", "device_misses", "adapter_evictions",
+                          "num_preemptions")}
+    return EngineRun(tokens, wall, steps, counters["num_preemptions"]), split, counters
+
+
+def prefetch(engine: Engine, digests: set[str], timeout_s: float = 120.0) -> None:
+    """Bring every adapter into the host cache (untimed), as a server's prefetch would have."""
+    assert engine.adapters is not None
+    for d in digests:
+        engine.adapters.prefetch(d)
+    deadline = time.monotonic() + timeout_s
+    while not digests <= set(engine.adapters.host_digests()) | set(
+            engine.adapters.resident_digests()):
+        if time.monotonic() > deadline:
+            raise RuntimeError("adapters did not reach the host cache in time")
+        time.sleep(0.01)
+
+
+def engine_sizes(config: ModelConfig, page_size: int, requests: Sequence[BaselineRequest],
+                 traces: dict[int, list[int]], dtype_bytes: int) -> tuple[int, int]:
+    """(pool pages, host cache bytes): every request's KV beside the largest trace's adapters;
+    every adapter of every trace in the host cache."""
+    page_elems = kv_page_elems(page_size, config.num_kv_heads, config.head_dim)
+    shapes = config.module_shapes()
+    layouts = {r: adapter_layout(r, TARGETS, shapes) for r in RANKS}
+    kv = sum(-(-(len(r.prompt_token_ids) + r.max_tokens) // page_size) for r in requests)
+    adapter = max(sum(layouts[RANKS[i % 2]].num_pages(page_elems) for i in set(t))
+                  for t in traces.values())
+    used = set().union(*traces.values())
+    host = sum(layouts[RANKS[i % 2]].num_elems for i in used) * config.num_layers * dtype_bytes
+    return kv + adapter + 8, int(host * 1.25) + (64 << 20)
+
+
+# -- the benchmark -----------------------------------------------------------------------------
+def peft_plan(args: argparse.Namespace, ns: list[int]) -> tuple[list[int], list[int],
+                                                                   list[str]]:
+    """The Ns peft mixed and peft grouped run at, and what is skipped (and why)."""
+    peft_ns = sorted(set(args.peft_ns) & set(ns))
+    # with one adapter every batch holds only it, so peft mixed already runs it active
+    grouped_ns = [n for n in peft_ns if 1 < n <= args.grouped_max_n]
+    skipped = []
+    if "peft-mixed" in args.systems and set(ns) - set(peft_ns):
+        skipped.append(f"peft-mixed at N={sorted(set(ns) - set(peft_ns))} (--peft-ns "
+                       f"{' '.join(map(str, peft_ns))}): the 30-minute budget")
+    if "peft-grouped" in args.systems and set(ns) - set(grouped_ns):
+        skipped.append(f"peft-grouped at N={sorted(set(ns) - set(grouped_ns))}: at N=1 it is "
+                       "peft-mixed (every batch holds one adapter, run active); otherwise only "
+                       f"up to --grouped-max-n {args.grouped_max_n} (beyond 64 nearly every "
+                       "batch holds one request) and where peft-mixed runs")
+    if args.peft_repeats < args.repeats:
+        skipped.append(f"peft runs {args.peft_repeats} of {args.repeats} repeats (the first): "
+                       "one peft run costs 2-5 loraplex runs")
+    return peft_ns, grouped_ns, skipped
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+    ns = sorted(set(args.ns))
+    peft_ns, grouped_ns, skipped = peft_plan(args, ns)
+    hf_config = dict(BENCH_HF_CONFIG, num_hidden_layers=args.num_layers)
+    cache_dir = args.cache_dir or env.cache_dir() / "bench"
+    model_path = build_model(cache_dir, hf_config)
+    config = ModelConfig.from_pretrained(str(model_path))
+    requests = make_requests(args.num_requests, tuple(args.prompt_len), args.max_tokens,
+                             hf_config["vocab_size"], seed=args.seed)
+    traces = {n: adapter_indices(len(requests), n, args.seed) for n in ns}
+
+    t0 = time.perf_counter()
+    family = SyntheticAdapters(config, max(ns), args.bases_per_rank, args.seed)
+    build_s = time.perf_counter() - t0
+    print(f"built {max(ns)} adapters in {build_s:.1f} s", file=sys.stderr)
+
+    engine = peft = None
+    if {"loraplex", "loraplex-base"} & set(args.systems):
+        num_pages, host_bytes = engine_sizes(config, 16, requests, traces, 4)
+        engine = Engine(EngineConfig(
+            model=str(model_path), dtype="float32", enable_prefix_caching=False,
+            num_pages=num_pages, host_cache_bytes=host_bytes, max_rank=max(RANKS),
+            scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens)),
+            adapter_source=family)
+    peft_used = sorted(set().union(*(traces[n] for n in peft_ns))) if peft_ns else []
+    peft_load_s = 0.0
+    if {"peft-mixed", "peft-grouped"} & set(args.systems) and peft_used:
+        root = cache_dir / "lora-bench-adapters"
+        dirs = {adapter_name(i): save_peft_dir(family.adapters[i],
+                                               root / family.adapters[i].digest[:24])
+                for i in peft_used}
+        t0 = time.perf_counter()
+        peft = StaticPeftBaseline(model_path, dirs, dtype=torch.float32,
+                                  batch_size=args.batch_size,
+                                  pad_token_id=BENCH_HF_CONFIG["pad_token_id"])
+        peft_load_s = time.perf_counter() - t0
+
+    def peft_requests(n: int) -> list[BaselineRequest]:
+        return [replace(r, adapter=adapter_name(i)) for r, i in zip(requests, traces[n])]
+
+    def measure(system: str, n: int) -> Measure:
+        digests = [family.adapters[i].digest for i in traces[n]]
+        if system == "loraplex":
+            assert engine is not None
+            prefetch(engine, set(digests))
+            cpu0 = time.process_time()
+            run, pages, counters = run_engine(engine, requests, digests)
+            return Measure(run, time.process_time() - cpu0, os.getloadavg()[0], pages,
+                           counters)
+        cpu0 = time.process_time()
+        if system == "loraplex-base":
+            assert engine is not None
+            run, pages, counters = run_engine(engine, requests, [None] * len(requests))
+            return Measure(run, time.process_time() - cpu0, os.getloadavg()[0], pages,
+                           counters)
+        assert peft is not None
+        peft_run = peft.run(peft_requests(n), system.removeprefix("peft-"))
+        return Measure(peft_run, time.process_time() - cpu0, os.getloadavg()[0])
+
+    warm_up(engine, peft, family, requests, traces, args.batch_size)
+    records: dict[int, dict[str, list[Measure]]] = {n: {s: [] for s in SYSTEMS} for n in ns}
+    rep_s: list[float] = []  # loraplex seconds per repeat: what a later repeat costs
+    for rep in range(args.repeats):
+        elapsed = time.perf_counter() - t_start
+        if rep_s and elapsed + max(rep_s) > 60 * args.budget_min:
+            skipped.append(f"repeats {rep}-{args.repeats - 1}: another would end after "
+                           f"--budget-min {args.budget_min:g} ({elapsed / 60:.1f} min so far, "
+                           f"{max(rep_s) / 60:.1f} min a repeat)")
+            break
+        rep_s.append(0.0)
+        for k, n in enumerate(ns if rep % 2 == 0 else list(reversed(ns))):
+            systems = [s for s in args.systems if s.startswith("loraplex") or (
+                rep < args.peft_repeats and peft is not None
+                and n in (peft_ns if s == "peft-mixed" else grouped_ns))]
+            for system in (systems if (rep + k) % 2 == 0 else list(reversed(systems))):
+                m = measure(system, n)
+                records[n][system].append(m)
+                if system.startswith("loraplex"):
+                    rep_s[-1] += m.run.wall_s
+                print(f"  [rep {rep} N={n}] {system:14} {m.run.output_tokens_per_s:7.1f} "
+                      f"tok/s, {m.cpu_s:.1f} CPU s, load {m.load:.1f}, "
+                      f"{time.perf_counter() - t_start:.0f} s so far", file=sys.stderr)
+
+    infos = {n: TraceInfo(len(set(t)), {r: sum(RANKS[i % 2] == r for i in t) for r in RANKS},
+                          sum(family.adapters[i].nbytes for i in set(t)))
+             for n, t in traces.items()}
+    mean_context = (sum(len(r.prompt_token_ids) for r in requests) / len(requests)
+                    + args.max_tokens / 2)
+    report = build_report(args, hf_config, config, mean_context, infos, records,
+                          copy_bandwidth(), gemm_throughput(torch.float32))
+    report.update(skipped=skipped, adapter_build_s=build_s, peft_load_s=peft_load_s,
+                  peft_adapters_loaded=len(peft_used), total_s=time.perf_counter() - t_start)
+    if engine is not None:
+        report["engine"] = {"num_pages": engine.pager.num_pages,
+                            "host_cache_bytes": engine.config.host_cache_bytes}
+    print_table(args, report)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / "lora_bench.json"
+        path.write_text(json.dumps(report, indent=2))
+        print(f"wrote {path}")
+
+
+def warm_up(engine: Engine | None, peft: StaticPeftBaseline | None, family: SyntheticAdapters,
+            requests: Sequence[BaselineRequest], traces: dict[int, list[int]],
+            batch_size: int) -> None:
+    """Two tokens through every path (engine with and without adapters, peft mixed and
+    grouped) on the first requests of the largest trace peft serves."""
+    n = max(traces)
+    if peft is not None:
+        n = max(t for t in traces if all(adapter_name(i) in peft.adapter_dirs
+                                         for i in traces[t][:batch_size]))
+    warm = [replace(r, request_id=f"warm-{r.request_id}", max_tokens=2,
+                    adapter=adapter_name(i))
+            for r, i in zip(requests[:batch_size], traces[n])]
+    if engine is not None:
+        digests = [family.adapters[i].digest for i in traces[n][:len(warm)]]
+        prefetch(engine, set(digests))
+        run_engine(engine, warm, digests)
+        run_engine(engine, warm, [None] * len(warm))
+    if peft is not None:
+        peft.run(warm, "mixed")
+        peft.run(warm[:2], "grouped")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""The LoRA benchmark's figures: per-system summaries, ratios, the issue's targets, the table.
+
+Everything here works on what ``lora_bench.py`` measured (``Measure`` per timed run); nothing
+runs a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from common import EngineRun, decode_roofline, machine_info, median
+
+from loraplex.loadtest.baseline import BaselineRun  # noqa: I001
+from loraplex.loadtest.baseline_peft import decode_step_rates, decode_tokens_per_s
+from loraplex.server.engine.models.config import ModelConfig
+
+SYSTEMS = ("loraplex", "loraplex-base", "peft-mixed", "peft-grouped")
+TARGET_LORA_VS_BASE = 0.9  # at N = 64, end to end
+TARGET_LORA_VS_PEFT = 1.6  # at N = 64, end to end
+TARGET_FLAT_IN_N = 0.85  # N = 2048 against N = 1
+
+
+@dataclass(frozen=True)
+class PageSplit:
+    """The pool over one loraplex run, sampled after every step."""
+
+    num_pages: int
+    kv_max: int
+    kv_mean: float
+    adapter_max: int
+    adapter_mean: float
+    pinned_max: int  # adapter pages of running requests (the rest is cached, evictable)
+    prefix_max: int
+
+
+@dataclass(frozen=True)
+class Measure:
+    """One timed run of one system, with the CPU seconds it took and the 1-minute load average
+    after it (the machine is shared: wall time also counts the other tenants)."""
+
+    run: EngineRun | BaselineRun
+    cpu_s: float
+    load: float
+    pages: PageSplit | None = None
+    counters: Mapping[str, int] = field(default_factory=dict)  # engine counters over the run
+
+
+@dataclass(frozen=True)
+class TraceInfo:
+    """One N's trace: distinct adapters, requests per rank, bytes of its distinct adapters."""
+
+    num_distinct: int
+    requests_by_rank: Mapping[int, int]
+    adapter_bytes: int
+
+
+def summarize(system: str, measures: Sequence[Measure], num_requests: int,
+              batch_size: int) -> dict:
+    """Medians over the repeats. Decode: loraplex's decode-only steps with every request
+    running; peft mixed's decode steps of full batches; peft grouped's decode tokens over its
+    decode time (its batches have every size, ``decode_batch`` is their mean)."""
+    runs = [m.run for m in measures]
+    e2e = [r.output_tokens_per_s for r in runs]
+    out = {"e2e_tok_s": e2e, "e2e_median": median(e2e),
+           "cpu_tok_s_median": median([r.num_output_tokens / m.cpu_s
+                                       for r, m in zip(runs, measures)]),
+           "wall_s": [r.wall_s for r in runs], "cpu_s": [m.cpu_s for m in measures],
+           "load": [m.load for m in measures]}
+    if system.startswith("loraplex"):
+        engine_runs = [r for r in runs if isinstance(r, EngineRun)]
+        decode = [x for r in engine_runs for x in r.decode_step_rates(num_requests)]
+        splits = [m.pages for m in measures if m.pages is not None]
+        out.update(decode_tok_s_median=median(decode), decode_batch=num_requests,
+                   num_decode_steps=len(decode), num_steps=len(engine_runs[0].steps),
+                   pages={"num_pages": splits[0].num_pages,
+                          "kv_max": max(s.kv_max for s in splits),
+                          "kv_mean": median([s.kv_mean for s in splits]),
+                          "adapter_max": max(s.adapter_max for s in splits),
+                          "adapter_mean": median([s.adapter_mean for s in splits]),
+                          "adapter_pinned_max": max(s.pinned_max for s in splits),
+                          "prefix_max": max(s.prefix_max for s in splits)},
+                   counters={k: sum(m.counters[k] for m in measures)
+                             for k in measures[0].counters})
+        return out
+    peft_runs = [r for r in runs if isinstance(r, BaselineRun)]
+    sizes = [b.num_requests for r in peft_runs for b in r.batches]
+    if system == "peft-mixed":
+        batch = float(max(sizes))  # batch_size, unless fewer requests than that
+        decode = median([x for r in peft_runs for x in decode_step_rates(r, int(batch))])
+    else:
+        decode = median([decode_tokens_per_s(r) for r in peft_runs])
+        batch = sum(sizes) / len(sizes)
+    out.update(decode_tok_s_median=decode, decode_batch=batch,
+               num_batches=len(peft_runs[0].batches))
+    return out
+
+
+def tokens_of(run: EngineRun | BaselineRun) -> dict[str, list[int]]:
+    if isinstance(run, EngineRun):
+        return run.token_ids
+    return {r.request_id: r.token_ids for r in run.results}
+
+
+def same_tokens(a: Mapping[str, list[int]], b: Mapping[str, list[int]]) -> float:
+    return sum(a[k] == b[k] for k in a) / len(a)
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else float("nan")
+
+
+def ratios(rec: Mapping[str, Sequence[Measure]], row: Mapping[str, dict]) -> dict[str, float]:
+    """loraplex against its base (end to end: the median of the ratios of runs made side by
+    side) and against peft mixed; peft grouped against peft mixed."""
+    out: dict[str, float] = {}
+    if rec["loraplex"] and rec["loraplex-base"]:
+        out["lora_vs_base_e2e"] = median([
+            ratio(a.run.output_tokens_per_s, b.run.output_tokens_per_s)
+            for a, b in zip(rec["loraplex"], rec["loraplex-base"])])
+        out["lora_vs_base_decode"] = ratio(row["loraplex"]["decode_tok_s_median"],
+                                           row["loraplex-base"]["decode_tok_s_median"])
+    for system, key in (("loraplex", "lora"), ("peft-grouped", "grouped")):
+        if system in row and "peft-mixed" in row:
+            for metric, name in (("e2e", "e2e_median"), ("decode", "decode_tok_s_median")):
+                out[f"{key}_vs_peft_mixed_{metric}"] = ratio(row[system][name],
+                                                             row["peft-mixed"][name])
+    return out
+
+
+def build_report(args: argparse.Namespace, hf_config: dict, config: ModelConfig,
+                 mean_context: float, infos: Mapping[int, TraceInfo],
+                 records: Mapping[int, Mapping[str, Sequence[Measure]]], bandwidth: float,
+                 gemm: dict) -> dict:
+    """The JSON report: per N, each system's summary, the ratios, token agreement and
+    loraplex's decode roofline (with the adapters' bytes read per step)."""
+    results: dict[str, dict] = {}
+    for n, rec in records.items():
+        info = infos[n]
+        row: dict = {"num_distinct": info.num_distinct,
+                     "requests_by_rank": dict(info.requests_by_rank)}
+        for system in SYSTEMS:
+            if rec[system]:
+                row[system] = summarize(system, rec[system], args.num_requests,
+                                        args.batch_size)
+        row["ratio"] = ratios(rec, row)
+        if rec["loraplex"]:
+            # sanity: the adapters change the output, and peft agrees (near-ties aside)
+            lora = tokens_of(rec["loraplex"][0].run)
+            row["same_tokens"] = {f"loraplex_vs_{s}": same_tokens(lora, tokens_of(rec[s][0].run))
+                                  for s in ("loraplex-base", "peft-mixed") if rec[s]}
+            roof = decode_roofline(config, torch.float32, args.num_requests, mean_context,
+                                   bandwidth, gemm["best"])
+            row["loraplex"]["roofline"] = asdict(roof)
+            row["loraplex"]["roofline_memory_with_adapters"] = (
+                args.num_requests * bandwidth
+                / (roof.weight_bytes + roof.kv_bytes + info.adapter_bytes))
+        results[str(n)] = row
+    return {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "machine": machine_info(torch.get_num_threads()),
+            "env": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
+            "model": hf_config, "dtype": "float32", "copy_bandwidth": bandwidth,
+            "gemm_flops": gemm, "results": results, "targets": targets(results)}
+
+
+def targets(results: Mapping[str, dict]) -> list[dict]:
+    """The issue's targets, where this run measured them."""
+    out = []
+
+    def add(name: str, value: float | None, minimum: float) -> None:
+        if value is not None:
+            out.append({"target": name, "value": value, "min": minimum,
+                        "met": value >= minimum})
+
+    r64 = results.get("64", {}).get("ratio", {})
+    add("N=64: loraplex / loraplex-base, end to end", r64.get("lora_vs_base_e2e"),
+        TARGET_LORA_VS_BASE)
+    add("N=64: loraplex / peft-mixed, end to end", r64.get("lora_vs_peft_mixed_e2e"),
+        TARGET_LORA_VS_PEFT)
+    lo, hi = results.get("1", {}).get("loraplex"), results.get("2048", {}).get("loraplex")
+    if lo and hi:
+        add("loraplex N=2048 / N=1, end to end", ratio(hi["e2e_median"], lo["e2e_median"]),
+            TARGET_FLAT_IN_N)
+        add("loraplex N=2048 / N=1, decode",
+            ratio(hi["decode_tok_s_median"], lo["decode_tok_s_median"]), TARGET_FLAT_IN_N)
+    return out
+
+
+def print_table(args: argparse.Namespace, report: dict) -> None:
+    m = report["machine"]
+    print(f"\nLoRA benchmark: {args.num_requests} requests, prompts {args.prompt_len[0]}-"
+          f"{args.prompt_len[1]} tokens, {args.max_tokens} new tokens, float32, "
+          f"{report['model']['num_hidden_layers']} layers; adapters rank 8/16 on q,k,v,o, "
+          f"Zipf(1); {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}, "
+          f"OMP_NUM_THREADS={report['env']['OMP_NUM_THREADS']}, commit {m['commit']}")
+    head = (f"{'N':>5} {'distinct':>8} {'system':14} {'e2e med':>8} {'decode':>8} {'batch':>5} "
+            f"{'runs':>4} {'load':>4}  pages (KV max/mean, adapter max/mean of the pool)")
+    print(head)
+    print("-" * len(head))
+    first = None
+    for n, row in report["results"].items():
+        for system in SYSTEMS:
+            if system in row:
+                print(_system_line(n, row, system))
+        q = row["ratio"]
+        parts = [f"{label} {q[key]:.2f}x/{q[key.replace('_e2e', '_decode')]:.2f}x"
+                 for key, label in (("lora_vs_base_e2e", "LoRA/base"),
+                                    ("lora_vs_peft_mixed_e2e", "loraplex/peft-mixed"),
+                                    ("grouped_vs_peft_mixed_e2e", "grouped/mixed"))
+                 if key in q]
+        if "loraplex" in row:
+            lp = row["loraplex"]
+            first = first or lp
+            parts.append(f"vs N={next(iter(report['results']))} "
+                         f"{ratio(lp['e2e_median'], first['e2e_median']):.2f}x/"
+                         f"{ratio(lp['decode_tok_s_median'], first['decode_tok_s_median']):.2f}x")
+        if "same_tokens" in row:
+            parts.append("same tokens as " + ", ".join(
+                f"{k.removeprefix('loraplex_vs_')} {v:.0%}" for k, v in row["same_tokens"].items()))
+        print(f"{'':>5} {'':>8} {'ratio e2e/dec':14} " + "; ".join(parts))
+    print("(tokens/s, medians over the runs; decode: loraplex's median decode-only step with "
+          "every request running, peft mixed's median decode step of full batches, peft "
+          "grouped's decode tokens over decode time (batch: its mean); load: median 1-minute "
+          "load average; pages sampled after every step)")
+    for t in report["targets"]:
+        print(f"target {t['target']}: {t['value']:.2f}x (>= {t['min']}x) "
+              f"{'met' if t['met'] else 'MISSED'}")
+    for line in report["skipped"]:
+        print(f"skipped: {line}")
+    print(f"total {report['total_s'] / 60:.1f} min (adapters built in "
+          f"{report['adapter_build_s']:.0f} s, {report['peft_adapters_loaded']} peft adapters "
+          f"loaded in {report['peft_load_s']:.0f} s, untimed)")
+
+
+def _system_line(n: str, row: dict, system: str) -> str:
+    r = row[system]
+    notes = ""
+    if "pages" in r:
+        p, c = r["pages"], r["counters"]
+        notes = (f"KV {p['kv_max']}/{p['kv_mean']:.0f}, adapter {p['adapter_max']}/"
+                 f"{p['adapter_mean']:.0f} ({p['adapter_pinned_max']} pinned) of "
+                 f"{p['num_pages']}")
+        if system == "loraplex":
+            notes += (f"; {c['device_misses']} copies in, {c['adapter_evictions']} evictions, "
+                      f"{c['num_preemptions']} preemptions")
+    return (f"{n:>5} {row['num_distinct']:>8} {system:14} {r['e2e_median']:8.1f} "
+            f"{r['decode_tok_s_median']:8.1f} {r['decode_batch']:5.0f} {len(r['e2e_tok_s']):4d} "
+            f"{median(r['load']):4.1f}  {notes}")
