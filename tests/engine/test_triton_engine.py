@@ -4,6 +4,7 @@ adapters and the base model in one batch, token-identical to peft."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from loraplex.server.config import EngineConfig, SchedulerConfig
 from loraplex.server.engine.engine import Engine
@@ -13,7 +14,8 @@ from tests.engine.test_lora_parity import LoadedSource, digests_for, run
 @pytest.mark.timeout(900)
 def test_triton_kernels_match_peft(setup_small):
     model, adapters, names, prompts, max_tokens, expected = setup_small
-    engine = Engine(EngineConfig(model=str(model), num_pages=400, kernels="triton",
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on CPU
+    engine = Engine(EngineConfig(model=str(model), num_pages=400, kernels="triton", device=device,
                                  scheduler=SchedulerConfig(page_size=4,
                                                            max_num_batched_tokens=64)),
                     adapter_source=LoadedSource(adapters.values()))
