@@ -72,7 +72,8 @@ class BaselineResult:
 
 @dataclass(frozen=True)
 class BatchTiming:
-    """One ``generate`` call: ``prefill_s`` up to the first token, ``decode_s`` after it."""
+    """One ``generate`` call: ``prefill_s`` up to the first token, ``decode_s`` after it, and
+    the same in CPU seconds of this process (which other jobs on the machine inflate less)."""
 
     num_requests: int
     num_prompt_tokens: int  # real tokens, padding excluded
@@ -80,6 +81,8 @@ class BatchTiming:
     num_steps: int  # tokens generated per request (1 prefill step + num_steps - 1 decodes)
     prefill_s: float
     decode_s: float
+    prefill_cpu_s: float = 0.0
+    decode_cpu_s: float = 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -87,6 +90,12 @@ class BatchTiming:
         if self.num_steps < 2 or self.decode_s <= 0:
             return 0.0
         return self.num_requests * (self.num_steps - 1) / self.decode_s
+
+    @property
+    def decode_tokens_per_cpu_s(self) -> float:
+        if self.num_steps < 2 or self.decode_cpu_s <= 0:
+            return 0.0
+        return self.num_requests * (self.num_steps - 1) / self.decode_cpu_s
 
 
 @dataclass
@@ -107,13 +116,16 @@ class BaselineRun:
 
 
 class _StepClock(BaseStreamer):
-    """Records when ``generate`` hands over the prompt and then each step's tokens."""
+    """Records when ``generate`` hands over the prompt and then each step's tokens (wall
+    clock, and CPU time of the process)."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
+        self.cpu_times: list[float] = []
 
     def put(self, value: torch.Tensor) -> None:
         self.times.append(time.perf_counter())
+        self.cpu_times.append(time.process_time())
 
     def end(self) -> None:
         pass
@@ -191,7 +203,9 @@ class TransformersBaseline:
             padded_len=padded_len,
             num_steps=len(token_times),
             prefill_s=token_times[0] - clock.times[0],
-            decode_s=token_times[-1] - token_times[0])
+            decode_s=token_times[-1] - token_times[0],
+            prefill_cpu_s=clock.cpu_times[1] - clock.cpu_times[0],
+            decode_cpu_s=clock.cpu_times[-1] - clock.cpu_times[1])
         return results, timing
 
     def _generate_kwargs(self, batch: Sequence[BaselineRequest]) -> dict:
