@@ -3,7 +3,6 @@ last) and adapters for it, built once per session; no downloads."""
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,8 +10,8 @@ import pytest
 import redis
 
 from loraplex.server.commands import write_demo_adapter
-from tests.e2e.harness import RedisServer
 from tests.helpers import make_model
+from tests.redis_server import REDIS_BIN, RedisServer
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -45,10 +44,9 @@ def adapter_dirs(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> d
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """One real redis-server for the session (skipped, with the reason, without the binary;
     CI installs it)."""
-    binary = shutil.which("redis-server")
-    if binary is None:
+    if REDIS_BIN is None:
         pytest.skip("redis-server is not installed (apt-get install redis-server; CI does)")
-    server = RedisServer(binary, tmp_path_factory.mktemp("redis"))
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server
     server.stop()
 

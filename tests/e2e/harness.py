@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -197,40 +196,3 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 5.0, what: str = ""
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what or predicate}")
         time.sleep(0.01)
-
-
-class RedisServer:
-    """A real ``redis-server`` on a free loopback port in its own directory, stopped by pid
-    (as in tests/store/conftest.py)."""
-
-    def __init__(self, binary: str, workdir: Path) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        workdir.mkdir(parents=True, exist_ok=True)
-        log = workdir / "redis.log"
-        log.write_text("")
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(workdir),
-             "--logfile", str(log), "--save", "", "--appendonly", "no",
-             "--protected-mode", "no", "--daemonize", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 15
-        while "Ready to accept connections" not in log.read_text(errors="replace"):
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                self.stop()
-                raise RuntimeError(f"redis-server did not start: {log.read_text()[-2000:]}")
-            time.sleep(0.02)
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)

@@ -7,12 +7,6 @@ by pid. They are skipped (with the reason) only where the binary is missing; CI 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,8 +20,8 @@ from loraplex.adapter_store.fs_store import FsAdapterStore
 from loraplex.adapter_store.redis_store import RedisAdapterStore
 from loraplex.adapter_store.store import AdapterStore
 from loraplex.server.engine.models.config import LORA_MODULES, ModelConfig
+from tests.redis_server import REDIS_BIN, RedisServer
 
-REDIS_BIN = shutil.which("redis-server")
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64,
     "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
@@ -108,71 +102,6 @@ def make_adapter(tmp_path: Path, base_config: ModelConfig) -> Callable[..., Path
 
 
 # ---------------------------------------------------------------------------- redis-server
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """A ``redis-server`` in its own directory on a free port, controlled by pid."""
-
-    def __init__(self, workdir: Path, *args: str, password: str | None = None,
-                 tls: dict[str, str] | None = None) -> None:
-        self.workdir = workdir
-        self.args = args
-        self.password = password
-        self.tls = tls
-        self.port = _free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-        workdir.mkdir(parents=True, exist_ok=True)
-
-    @property
-    def url(self) -> str:
-        auth = f":{self.password}@" if self.password else ""
-        if self.tls:
-            return f"rediss://{auth}localhost:{self.port}/0?ssl_ca_certs={self.tls['ca']}"
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
-
-    def start(self) -> RedisServer:
-        log = self.workdir / "redis.log"
-        log.write_text("")
-        port_args = ["--port", str(self.port)]
-        if self.tls:
-            port_args = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file",
-                         self.tls["cert"], "--tls-key-file", self.tls["key"],
-                         "--tls-ca-cert-file", self.tls["ca"], "--tls-auth-clients", "no"]
-        cmd = [REDIS_BIN or "redis-server", *port_args, "--bind", "127.0.0.1",
-               "--dir", str(self.workdir), "--logfile", str(log), "--save", "",
-               "--appendonly", "no", "--protected-mode", "no", "--daemonize", "no",
-               *(["--requirepass", self.password] if self.password else []), *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            if "Ready to accept connections" in log.read_text(errors="replace"):
-                return self
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.02)
-        self.stop()
-        raise RuntimeError(f"redis-server did not start: {log.read_text()[-2000:]}")
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, sig)
-            self.proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.kill(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="session")
