@@ -14,20 +14,26 @@ systems run interleaved in this one process, on the same prompts and the same we
 * ``peft-grouped``: the requests of one adapter together, 16 at a time (up to
   ``--grouped-max-n`` adapters: beyond that almost every batch holds one request).
 
-peft loads only the adapters the traces use, before timing. Reported per N: end-to-end output
-tokens/s (median over repeats), decode tokens/s (loraplex: median decode-only step with every
-request running; peft mixed: median decode step of full batches; peft grouped: all decode
-tokens over all decode time, its batches being of every size), the ratios against the issue's
-targets, and the pool's page split (KV and adapter pages, sampled after every step: max, mean).
+peft loads only the adapters the traces use, before timing. Reported per N, as medians over
+the repeats, per wall second and per CPU second of the process (the machines are shared; CPU
+time is far less inflated by other jobs): end-to-end output tokens/s, decode tokens/s
+(loraplex: decode-only steps with every request running; peft mixed: full batches after their
+first token; peft grouped: all decode tokens over all decode time, its batches being of every
+size), the ratios against the issue's targets, and the pool's page split (KV and adapter
+pages, sampled after every step: max, mean, and the adapter pages pinned by running requests).
 
 The N adapters are cheap to make: a few random bases per rank, adapter ``i`` reusing one with
 its own ``lora_alpha`` (a per-adapter scale), so every digest differs while the tensors are
-shared. The engine's host cache holds every adapter the traces use and its pool holds every
-request's KV beside the largest trace's adapters, so nothing is evicted for lack of room.
+shared. The engine's host cache holds every adapter the traces use, and its pool every
+request's KV beside the largest trace's adapters: no request waits or is preempted for room,
+while adapters cached by earlier runs are evicted (LRU) as a run needs their pages.
 
-Usage: ``OMP_NUM_THREADS=2 python benchmarks/lora_bench.py --out bench-out`` (about 20 minutes
-on a 2-core machine); ``--ns 1 64 --num-requests 16 --repeats 1 --num-layers 2`` for a quick
-run.
+The defaults fit 30 minutes on a shared 2-core machine (about 15): loraplex runs every N
+``--repeats`` times, peft (2-5 times slower a run) once at ``--peft-ns``, and no repeat starts
+that would end after ``--budget-min``; the output says what was skipped and why.
+
+Usage: ``OMP_NUM_THREADS=2 python benchmarks/lora_bench.py --out bench-out/lora``;
+``--ns 1 64 --num-requests 16 --repeats 1 --num-layers 2`` for a quick run.
 """
 
 from __future__ import annotations
