@@ -10,7 +10,7 @@ import pytest
 
 from loraplex.server.commands import write_demo_adapter
 from loraplex.server.engine.request import SamplingParams
-from tests.e2e.harness import Cluster, write_keys
+from tests.e2e.harness import Cluster, wait_for, write_keys
 
 KEYS = {"acme-key-0123456789": ("acme", False), "globex-key-0123456789": ("globex", False)}
 ACME, GLOBEX = KEYS
@@ -54,6 +54,9 @@ def test_shared_system_prompt_reports_cached_tokens_per_tenant(cluster: Cluster)
         theirs = globex.generate(second, params=GREEDY)
         assert theirs.usage.cached_tokens == 0
         assert theirs.token_ids == unary.token_ids  # same base model, same tokens
+    # the worker's stats snapshot refreshes on the engine thread: wait until it has both tenants
+    wait_for(lambda: 'loraplex_worker_prefix_queried_tokens_total{tenant="globex"}'
+             in scrape(cluster.workers[0].metrics_port), what="globex in the worker's metrics")
     metrics = scrape(cluster.workers[0].metrics_port)
     hits = {t: metrics[f'loraplex_worker_prefix_hit_tokens_total{{tenant="{t}"}}']
             for t in ("acme", "globex")}
