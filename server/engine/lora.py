@@ -1,19 +1,31 @@
 """The batch's LoRA work: segments of tokens that share an adapter, and the hook that adds
-``scale_s * (x A_s^T) B_s^T`` to every targeted projection, all ranks in one call per module.
+``scale_s * (x A_s^T) B_s^T`` to every targeted projection.
 
 The model runner orders the batch so that requests of one adapter are adjacent; each run of
-such requests is one segment. Base-model segments have rank 0 and add nothing. Per module the
-segment arrays follow the op signature of design.md §3 (``kernels/reference.py``): a segment
-whose adapter does not target that module gets rank 0 there.
+such requests is one segment. Base-model segments have rank 0 and add nothing.
+
+Two ways to run it, same arithmetic:
+
+* The kernels (``--kernels triton``): per module, one shrink and one expand call for all
+  segments and ranks, with the segment arrays of design.md §3's op signature (a segment whose
+  adapter does not target the module gets rank 0 there); the kernels read the adapters'
+  pages through the page table.
+* The references on CPU: ``reference.lora_segments``, segment by segment, with each resident
+  adapter's blocks resolved once (views of its pages, cached on the ``ResidentAdapter`` until
+  it is evicted). On CPU a decode step's LoRA cost is the fixed cost of many small torch
+  operations, so the fewer per segment the better; the op-signature references
+  (``lora_shrink`` / ``lora_expand``) decode the page table in every call.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from loraplex.kernels import reference
 from loraplex.server.engine.adapter_cache import ResidentAdapter
 from loraplex.server.engine.models.config import LORA_MODULES, ModelConfig
 from loraplex.server.engine.models.llama import FUSED_GROUPS, module_slices
@@ -29,10 +41,14 @@ class ModuleSegments:
 
 @dataclass(frozen=True)
 class LoraOps:
-    """``shrink`` and ``expand`` with the signatures of ``kernels/reference.py``."""
+    """``shrink`` and ``expand`` with the signatures of ``kernels/reference.py``.
+
+    ``segment_major``: run ``reference.lora_segments`` on resolved blocks instead (CPU).
+    """
 
     shrink: Callable[..., torch.Tensor]
     expand: Callable[..., None]
+    segment_major: bool = False
 
 
 def lora_ops(kernels: str) -> LoraOps:
@@ -40,9 +56,7 @@ def lora_ops(kernels: str) -> LoraOps:
         from loraplex.kernels import sgmv
 
         return LoraOps(sgmv.sgmv_shrink, sgmv.sgmv_expand)
-    from loraplex.kernels import reference
-
-    return LoraOps(reference.lora_shrink, reference.lora_expand)
+    return LoraOps(reference.lora_shrink, reference.lora_expand, segment_major=True)
 
 
 class LoraBatch:
@@ -50,24 +64,30 @@ class LoraBatch:
 
     def __init__(self, config: ModelConfig, pools: torch.Tensor, ops: LoraOps,
                  adapters: Sequence[ResidentAdapter | None], seg_lens: Sequence[int]) -> None:
-        device = pools.device
         self.pools = pools
         self.ops = ops
         self.slices = module_slices(config)
-        num_segs = len(adapters)
+        self.shapes = config.module_shapes()
+        bounds = [0, *itertools.accumulate(seg_lens)]
+        # (first row, end row, adapter) of every non-empty adapter segment
+        self.segments = [(bounds[s], bounds[s + 1], a) for s, a in enumerate(adapters)
+                         if a is not None and seg_lens[s] > 0]
+        self.modules: dict[str, ModuleSegments] = {}
+        if not ops.segment_major:
+            self._build_tables(adapters, bounds)
+
+    def _build_tables(self, adapters: Sequence[ResidentAdapter | None],
+                      bounds: list[int]) -> None:
+        device = self.pools.device
         max_pages = max((len(a.pages) for a in adapters if a is not None), default=1)
-        table = torch.zeros(num_segs, max_pages, dtype=torch.int32)
+        table = torch.zeros(len(adapters), max_pages, dtype=torch.int32)
         for s, a in enumerate(adapters):
             if a is not None:
                 table[s, :len(a.pages)] = torch.tensor(a.pages, dtype=torch.int32)
         self.page_table = table.to(device)
-        indptr = [0]
-        for n in seg_lens:
-            indptr.append(indptr[-1] + n)
-        self.seg_indptr = torch.tensor(indptr, dtype=torch.int32, device=device)
+        self.seg_indptr = torch.tensor(bounds, dtype=torch.int32, device=device)
         self.scales = torch.tensor([a.scale if a is not None else 0.0 for a in adapters],
                                    dtype=torch.float32, device=device)
-        self.modules: dict[str, ModuleSegments] = {}
         for module in LORA_MODULES:
             ranks = [a.layout.rank if a is not None and module in a.layout.a_offsets else 0
                      for a in adapters]
@@ -82,6 +102,9 @@ class LoraBatch:
                 max(ranks))
 
     def __call__(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        if self.ops.segment_major:
+            self._segment_major(layer, group, x, y)
+            return
         pool = self.pools[layer]
         for module in FUSED_GROUPS[group]:
             seg = self.modules.get(module)
@@ -92,3 +115,43 @@ class LoraBatch:
                                 seg.a_offsets, seg.max_rank)
             self.ops.expand(h, pool, self.page_table, self.seg_indptr, seg.ranks, seg.b_offsets,
                             self.scales, y[:, start:end])
+
+    def _segment_major(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        segments = []
+        for lo, hi, adapter in self.segments:
+            blocks = adapter.blocks.get((layer, group))
+            if blocks is None:
+                blocks = adapter.blocks[(layer, group)] = self._resolve(adapter, layer, group)
+            if blocks:
+                segments.append(reference.SegmentBlocks(lo, hi, adapter.scale, blocks))
+        if not segments:
+            return
+        # Each segment's operations are too small to gain from a second thread, and on a busy
+        # machine every parallel region waits for a free core: run them on this thread alone.
+        threads = torch.get_num_threads()
+        if threads > 1:
+            torch.set_num_threads(1)
+        try:
+            reference.lora_segments(x, y, segments)
+        finally:
+            if threads > 1:
+                torch.set_num_threads(threads)
+
+    def _resolve(self, adapter: ResidentAdapter, layer: int,
+                 group: str) -> tuple[reference.ModuleBlocks, ...]:
+        # A view of the pool where a block lies in one page, else a copy (region_rows): the
+        # pages of a resident adapter neither move nor change.
+        pool = self.pools[layer]
+        pages = torch.tensor(adapter.pages, dtype=torch.long)
+        layout = adapter.layout
+        blocks = []
+        for module in FUSED_GROUPS[group]:
+            if module not in layout.a_offsets:
+                continue
+            _, start, end = self.slices[module]
+            d_in, d_out = self.shapes[module]
+            a = reference.region_rows(pool, pages, layout.a_offsets[module], layout.rank, d_in)
+            bt = reference.region_rows(pool, pages, layout.b_offsets[module], layout.rank,
+                                       d_out)
+            blocks.append(reference.ModuleBlocks(start, end, a.t(), bt))
+        return tuple(blocks)

@@ -1,0 +1,112 @@
+"""The engine's LoRA hook: the CPU path (blocks resolved once per resident adapter, segment by
+segment) against the op-signature path over the page table, and dense math on plain A / B."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from loraplex.kernels import reference
+from loraplex.kernels.layout import adapter_layout, write_region
+from loraplex.server.engine.adapter_cache import ResidentAdapter
+from loraplex.server.engine.lora import LoraBatch, LoraOps, lora_ops
+from loraplex.server.engine.models.config import ModelConfig
+from loraplex.server.engine.models.llama import FUSED_GROUPS, module_slices
+
+CONFIG = ModelConfig(architecture="llama", vocab_size=64, hidden_size=24,
+                     intermediate_size=40, num_layers=2, num_heads=4, num_kv_heads=2,
+                     head_dim=6, max_position_embeddings=128)
+PAGE_ELEMS = 88  # rows of 24 and 40 elements straddle pages: some blocks are copies
+GROUP_WIDTH = {"qkv": 24 + 2 * 12, "o": 24, "gate_up": 80, "down": 24}
+GROUP_INPUT = {"qkv": 24, "o": 24, "gate_up": 24, "down": 40}
+KERNEL_PATH = LoraOps(reference.lora_shrink, reference.lora_expand, segment_major=False)
+
+
+def write_adapter(pools: torch.Tensor, pages: list[int], rank: int, modules: tuple[str, ...],
+                  seed: int) -> tuple[ResidentAdapter, dict]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = CONFIG.module_shapes()
+    layout = adapter_layout(rank, modules, shapes)
+    weights = {}
+    for layer in range(CONFIG.num_layers):
+        for m in modules:
+            d_in, d_out = shapes[m]
+            a, b = torch.randn(rank, d_in, generator=gen), torch.randn(d_out, rank, generator=gen)
+            write_region(pools[layer], pages, layout.a_offsets[m], a)
+            write_region(pools[layer], pages, layout.b_offsets[m], b.T.contiguous())
+            weights[layer, m] = (a, b)
+    scale = 0.5 + seed / 10
+    return ResidentAdapter(f"adapter{seed}", layout, scale, tuple(pages)), weights
+
+
+def dense(x, y, layer, group, segments):
+    out = y.clone()
+    slices = module_slices(CONFIG)
+    for (lo, hi), adapter, weights in segments:
+        for m in FUSED_GROUPS[group]:
+            if adapter is None or (layer, m) not in weights:
+                continue
+            a, b = weights[layer, m]
+            _, start, end = slices[m]
+            out[lo:hi, start:end] += adapter.scale * (x[lo:hi] @ a.T) @ b.T
+    return out
+
+
+def test_segment_major_matches_page_table_path_and_dense() -> None:
+    rng = random.Random(3)
+    num_pages = 40
+    pools = torch.randn(CONFIG.num_layers, num_pages, PAGE_ELEMS)  # garbage between blocks
+    free = list(range(num_pages))
+    rng.shuffle(free)
+    specs = [(8, ("q_proj", "v_proj")), (3, ("q_proj", "k_proj", "v_proj", "o_proj",
+                                             "gate_proj", "up_proj", "down_proj")),
+             (1, ("o_proj", "down_proj"))]
+    adapters = []
+    for i, (rank, modules) in enumerate(specs):
+        layout = adapter_layout(rank, modules, CONFIG.module_shapes())
+        pages = [free.pop() for _ in range(layout.num_pages(PAGE_ELEMS))]
+        adapters.append(write_adapter(pools, pages, rank, modules, seed=i + 1))
+    # segments: adapter 0, base, adapter 1, adapter 2, adapter 0 again (a second segment)
+    order = [0, None, 1, 2, 0]
+    seg_lens = [3, 2, 1, 4, 1]
+    bounds = [0]
+    for n in seg_lens:
+        bounds.append(bounds[-1] + n)
+    resident = [adapters[i][0] if i is not None else None for i in order]
+    cpu = LoraBatch(CONFIG, pools, lora_ops("torch"), resident, seg_lens)
+    kernel = LoraBatch(CONFIG, pools, KERNEL_PATH, resident, seg_lens)
+    assert cpu.ops.segment_major
+    dense_segments = [((bounds[s], bounds[s + 1]), resident[s],
+                       adapters[i][1] if i is not None else {}) for s, i in enumerate(order)]
+    for layer in range(CONFIG.num_layers):
+        for group in FUSED_GROUPS:
+            x = torch.randn(bounds[-1], GROUP_INPUT[group])
+            y0 = torch.randn(bounds[-1], GROUP_WIDTH[group])
+            y_cpu, y_kernel = y0.clone(), y0.clone()
+            cpu(layer, group, x, y_cpu)
+            kernel(layer, group, x, y_kernel)
+            torch.testing.assert_close(y_cpu, y_kernel, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(y_cpu, dense(x, y0, layer, group, dense_segments),
+                                       rtol=1e-4, atol=1e-4)
+            assert torch.equal(y_cpu[3:5], y0[3:5])  # the base-model segment is untouched
+    # the blocks were resolved once per adapter, layer and group, and cached on the adapter
+    assert set(adapters[1][0].blocks) == {(layer, g) for layer in range(2) for g in FUSED_GROUPS}
+
+
+def test_new_residency_resolves_its_own_pages() -> None:
+    # Evicted and copied back in elsewhere, an adapter is a new ResidentAdapter: the blocks
+    # cached for its old pages (now someone else's) are never used again.
+    pools = torch.zeros(CONFIG.num_layers, 30, PAGE_ELEMS)
+    modules = ("q_proj", "v_proj")
+    old, _ = write_adapter(pools, [4, 9, 1, 7], 4, modules, seed=5)
+    x = torch.randn(2, 24)
+    LoraBatch(CONFIG, pools, lora_ops("torch"), [old], [2])(0, "qkv", x, torch.zeros(2, 48))
+    assert old.blocks
+    pools[:, [4, 9, 1, 7]] = torch.randn(CONFIG.num_layers, 4, PAGE_ELEMS)  # pages reused as KV
+    new, weights = write_adapter(pools, [12, 2, 20, 25], 4, modules, seed=5)
+    assert not new.blocks
+    y = torch.zeros(2, 48)
+    LoraBatch(CONFIG, pools, lora_ops("torch"), [new], [2])(0, "qkv", x, y)
+    torch.testing.assert_close(y, dense(x, torch.zeros(2, 48), 0, "qkv",
+                                        [((0, 2), new, weights)]), rtol=1e-4, atol=1e-4)
