@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU checks of the kernels issue in one run, for a machine with one CUDA GPU and a Python
+# that already has torch, triton, transformers, peft and safetensors (nothing is downloaded):
+#
+#   1. the environment: GPU, driver, Python, torch, triton, commit          -> $OUT/env.txt
+#   2. the kernel tests natively on the GPU (every test of tests/kernels, the engine with
+#      --kernels triton against peft, the CUDA warm-up test; bf16 and larger shapes)
+#                                                                            -> $OUT/tests.log
+#   3. kernels/bench.py: SGMV, paged attention, the engine (under 5 minutes) -> $OUT/bench/
+#
+# Usage: OUT=DIR scripts/gpu_check.sh   (about 9 minutes; each step has its own time limit).
+# The package is installed (editable) without its dependencies; a missing one shows up as an
+# import error in tests.log.
+set -uo pipefail
+OUT=${OUT:?set OUT to the directory for the results}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT/bench"
+cd "$(dirname "$0")/.."
+
+# Editable, as in development: the tests import the checkout's loraplex/ first, and the
+# editable finder maps loraplex.server, loraplex.kernels, ... onto server/, kernels/, ...
+"$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . \
+    > "$OUT/install.log" 2>&1 || { echo "install failed: see install.log"; exit 1; }
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+unset TRITON_INTERPRET
+
+{
+    echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    "$PY" -c 'import sys, torch, triton; print("python", sys.version.split()[0]);
+print("torch", torch.__version__, "cuda", torch.version.cuda); print("triton", triton.__version__)'
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+# 16 cores there: torch's CPU threads for the peft oracles
+OMP_NUM_THREADS=8 timeout 240 "$PY" -m pytest -q -ra -p no:cacheprovider \
+    tests/kernels tests/engine/test_triton_engine.py tests/engine/test_warmup.py \
+    2>&1 | tee "$OUT/tests.log" | tail -25
+echo "tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/tests.log"
+
+timeout 330 "$PY" -m loraplex.kernels.bench --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" \
+    | tail -60
+echo "bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/bench.log"
