@@ -25,6 +25,7 @@ from loraplex.adapter_store.errors import (
 from loraplex.adapter_store.format import DEFAULT_MAX_BYTES, DEFAULT_MAX_RANK
 from loraplex.adapter_store.store import DEFAULT_TENANT, AdapterVersion, open_store
 from loraplex.server import env
+from loraplex.server.commands import add_client_tls_args
 from loraplex.server.engine.models.config import ModelConfig
 
 _REFUSALS = (AdapterValidationError, AdapterNotFound, AdapterStoreError, ValueError, OSError,
@@ -70,6 +71,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     push.add_argument("--server", default=None, metavar="HOST:PORT",
                       help="upload through a gateway's Upload RPC instead of to --store")
     push.add_argument("--api-key", default=None, help="with --server (env LORAPLEX_API_KEY)")
+    add_client_tls_args(push)
     push.set_defaults(func=_guarded("push", _push))
 
     ls = sub.add_parser("ls", parents=[common], help="list the tenant's adapters")

@@ -8,7 +8,10 @@
             print(chunk.text, end="", flush=True)
 
 Calls raise ``ServiceError`` (``.code`` a ``grpc.StatusCode``, ``.message``) for a non-OK
-status. The API key defaults to ``$LORAPLEX_API_KEY``.
+status. The API key defaults to ``$LORAPLEX_API_KEY``. ``tls=True`` (or ``tls_ca_file=...``,
+or ``$LORAPLEX_TLS=1`` / ``$LORAPLEX_TLS_CA_FILE``) connects with TLS, checking the server
+against that CA or the system's roots; ``client_cert_file`` / ``client_key_file`` present a
+client certificate to a gateway that requires one (``server/tls.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from loraplex.server.api import (
     UploadPart,
 )
 from loraplex.server.engine.request import SamplingParams
+from loraplex.server.tls import client_credentials
 from loraplex.server.worker import MAX_MESSAGE_BYTES
 
 __all__ = ["AsyncClient", "Client", "ServiceError", "adapter_upload_parts"]
@@ -98,14 +102,24 @@ class Client:
         address: the gateway's ``host:port``.
         api_key: the tenant's key (default ``$LORAPLEX_API_KEY``; none for a keyless server).
         timeout: default deadline of each call in seconds (None: no deadline).
+        tls / tls_ca_file / client_cert_file / client_key_file: TLS (see the module's
+            docstring; each None reads its ``LORAPLEX_*`` variable).
+
+    Raises:
+        ValueError: a TLS file that cannot be read or is not PEM.
     """
 
     def __init__(self, address: str = DEFAULT_ADDRESS, api_key: str | None = None,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, *, tls: bool | None = None,
+                 tls_ca_file: str | None = None, client_cert_file: str | None = None,
+                 client_key_file: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
         self._metadata = _metadata(api_key if api_key is not None else env.get("API_KEY"))
-        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        creds = client_credentials(tls, tls_ca_file, client_cert_file, client_key_file)
+        self._channel = (grpc.secure_channel(address, creds, options=_CHANNEL_OPTIONS)
+                         if creds is not None
+                         else grpc.insecure_channel(address, options=_CHANNEL_OPTIONS))
         self._stub = convert.ClientStub(self._channel)
 
     def __enter__(self) -> Client:
@@ -167,11 +181,16 @@ class AsyncClient:
     """The asyncio client (same methods as ``Client``, awaitable)."""
 
     def __init__(self, address: str = DEFAULT_ADDRESS, api_key: str | None = None,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, *, tls: bool | None = None,
+                 tls_ca_file: str | None = None, client_cert_file: str | None = None,
+                 client_key_file: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
         self._metadata = _metadata(api_key if api_key is not None else env.get("API_KEY"))
-        self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        creds = client_credentials(tls, tls_ca_file, client_cert_file, client_key_file)
+        self._channel = (grpc.aio.secure_channel(address, creds, options=_CHANNEL_OPTIONS)
+                         if creds is not None
+                         else grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS))
         self._stub = convert.AsyncClientStub(self._channel)
 
     async def __aenter__(self) -> AsyncClient:

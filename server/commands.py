@@ -14,6 +14,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from loraplex.server import env
 
@@ -31,6 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Serve the public API on --host:--port with one in-process worker.")
     add_engine_args(serve)
     _add_listen_args(serve, port=50051, metrics_port=9400)
+    _add_tls_args(serve)
     _add_store_arg(serve)
     _add_key_args(serve)
     _add_limit_args(serve, with_rank=False)
@@ -45,6 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "gateway", help="the public API in front of workers",
         description="Route the public API to workers with adapter affinity.")
     _add_listen_args(gateway, port=50051, metrics_port=9400)
+    _add_tls_args(gateway)
     gateway.add_argument("--workers", default="",
                          help="HOST:PORT,... or a DNS name resolving to many (headless service)")
     gateway.add_argument("--model", default="demo",
@@ -94,6 +97,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "(repeatable)")
     generate.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     generate.add_argument("--api-key", default=None, help="(env LORAPLEX_API_KEY)")
+    add_client_tls_args(generate)
     generate.set_defaults(func=_generate)
 
     demo = subparsers.add_parser(
@@ -113,6 +117,37 @@ def _add_listen_args(parser: argparse.ArgumentParser, port: int, metrics_port: i
     parser.add_argument("--port", type=int, default=port, help="gRPC port (0: any free port)")
     parser.add_argument("--metrics-port", type=int, default=metrics_port,
                         help="Prometheus /metrics port (0: any free port, -1: none)")
+
+
+def _add_tls_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tls-cert-file", default=None, metavar="PEM",
+                        help="serve TLS with this certificate chain (and --tls-key-file)")
+    parser.add_argument("--tls-key-file", default=None, metavar="PEM",
+                        help="the certificate's private key")
+    parser.add_argument("--tls-client-ca-file", default=None, metavar="PEM",
+                        help="require client certificates signed by this CA (mutual TLS)")
+
+
+def add_client_tls_args(parser: argparse.ArgumentParser) -> None:
+    """TLS flags of the commands that call a gateway (each also read from the environment
+    by ``Client``)."""
+    parser.add_argument("--tls", action="store_true", default=None,
+                        help="connect with TLS, checking the server against the system's "
+                             "roots (env LORAPLEX_TLS=1)")
+    parser.add_argument("--tls-ca-file", default=None, metavar="PEM",
+                        help="connect with TLS, checking the server against this CA "
+                             "(env LORAPLEX_TLS_CA_FILE)")
+    parser.add_argument("--client-cert-file", default=None, metavar="PEM",
+                        help="a client certificate for a gateway that requires one "
+                             "(env LORAPLEX_CLIENT_CERT_FILE)")
+    parser.add_argument("--client-key-file", default=None, metavar="PEM",
+                        help="its private key (env LORAPLEX_CLIENT_KEY_FILE)")
+
+
+def client_tls(args: argparse.Namespace) -> dict[str, Any]:
+    """``Client`` keyword arguments from ``add_client_tls_args``' flags."""
+    return {"tls": args.tls, "tls_ca_file": args.tls_ca_file,
+            "client_cert_file": args.client_cert_file, "client_key_file": args.client_key_file}
 
 
 def _add_store_arg(parser: argparse.ArgumentParser) -> None:
@@ -202,7 +237,13 @@ def _run_async(command: str) -> Callable[[argparse.Namespace], int]:
 def _generate(args: argparse.Namespace) -> int:
     from loraplex.server.client import Client, ServiceError
 
-    with Client(args.server, api_key=args.api_key, timeout=args.timeout) as client:
+    try:
+        client = Client(args.server, api_key=args.api_key, timeout=args.timeout,
+                        **client_tls(args))
+    except ValueError as exc:
+        print(f"loraplex generate: {exc}", file=sys.stderr)
+        return 1
+    with client:
         try:
             last = None
             for chunk in client.generate_stream(
@@ -288,7 +329,7 @@ def push_remote(args: argparse.Namespace) -> int:
     # --tenant's default means "the key's own tenant"; naming another needs an admin key.
     tenant = "" if args.tenant == DEFAULT_TENANT else args.tenant
     try:
-        with Client(args.server, api_key=args.api_key) as client:
+        with Client(args.server, api_key=args.api_key, **client_tls(args)) as client:
             record = client.upload_adapter(args.dir, args.name, tenant=tenant,
                                            uploader=uploader)
     except (ServiceError, ValueError) as exc:

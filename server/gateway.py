@@ -55,6 +55,7 @@ from loraplex.server.quota import (
     TenantLimits,
     Ticket,
 )
+from loraplex.server.tls import ServerTls
 from loraplex.server.worker import format_address, grpc_server_options
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class GatewayConfig:
             API key entries override it (0: unlimited; see ``quota.py``).
         quota_lease_seconds: how long a Redis-held concurrency slot outlives its gateway's
             last refresh (what a crashed gateway can leak, at most).
+        tls: serve TLS with this certificate and key (None: plaintext; see ``tls.py``).
     """
 
     host: str = "127.0.0.1"
@@ -108,6 +110,7 @@ class GatewayConfig:
     tenant_max_concurrency: int = 0
     tenant_tokens_per_minute: int = 0
     quota_lease_seconds: float = 15.0
+    tls: ServerTls | None = None
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port"):
@@ -383,7 +386,11 @@ class Gateway:
             logger.warning("NO API KEYS: every caller is tenant 'default' with no "
                            "authentication. Give --api-keys FILE before exposing this gateway.")
         server = grpc.aio.server(options=grpc_server_options())
-        self.port = server.add_insecure_port(format_address(self.config.host, self.config.port))
+        address = format_address(self.config.host, self.config.port)
+        if self.config.tls is not None:
+            self.port = server.add_secure_port(address, self.config.tls.credentials())
+        else:
+            self.port = server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"gateway: cannot listen on {self.address}")
         names = [convert.add_generation_service(server, self.generation),

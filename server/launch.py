@@ -61,6 +61,7 @@ def _key_ring(args: argparse.Namespace) -> KeyRing:
 def _gateway_config(args: argparse.Namespace, workers: tuple[str, ...], max_rank: int,
                     metrics_port: int | None) -> GatewayConfig:
     from loraplex.server.gateway import GatewayConfig
+    from loraplex.server.tls import server_tls
 
     return GatewayConfig(
         host=args.host, port=args.port, metrics_port=metrics_port, workers=workers,
@@ -73,7 +74,8 @@ def _gateway_config(args: argparse.Namespace, workers: tuple[str, ...], max_rank
         allow_unauthenticated=args.allow_unauthenticated,
         tenant_max_concurrency=args.tenant_max_concurrency,
         tenant_tokens_per_minute=args.tenant_tokens_per_minute,
-        quota_lease_seconds=args.quota_lease_seconds)
+        quota_lease_seconds=args.quota_lease_seconds,
+        tls=server_tls(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file))
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -90,7 +92,10 @@ async def serve(args: argparse.Namespace) -> int:
 
     engine_config = engine_config_from_args(args)
     keys = _key_ring(args)
-    check_exposure(_gateway_config(args, ("-",), engine_config.max_rank, None), keys)
+    early = _gateway_config(args, ("-",), engine_config.max_rank, None)
+    check_exposure(early, keys)
+    if early.tls is not None:
+        early.tls.credentials()  # bad TLS files fail now, not after the engine is built
     base = ModelConfig.from_pretrained(resolve_model_path(engine_config.model))
     spec = _store_spec(args)
     store = open_store(spec, base)
@@ -119,7 +124,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     _on_signals(drain, stop, keys.reload)
     _print_ready(gateway.address, engine_config.model, spec, keys.keyless,
-                 metrics.port if metrics else None, args.host)
+                 metrics.port if metrics else None, args.host, config.tls is not None)
     try:
         await gateway.wait()
         await worker.wait()
@@ -132,21 +137,26 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def _print_ready(address: str, model: str, store: str, keyless: bool, metrics_port: int | None,
-                 host: str) -> None:
-    lines = [f"loraplex serving {model} on {address} (adapter store {redact(store)})"]
+                 host: str, tls: bool = False) -> None:
+    scheme = "TLS" if tls else "plaintext"
+    lines = [f"loraplex serving {model} on {address} ({scheme}, adapter store "
+             f"{redact(store)})"]
     if metrics_port is not None:
         lines.append(f"metrics: http://{host}:{metrics_port}/metrics")
     if keyless:
         lines.append("NO API KEYS: every caller is tenant 'default' (pass --api-keys FILE to "
                      "require keys)")
     key = "" if keyless else " --api-key $LORAPLEX_API_KEY"
+    if tls:  # a self-signed certificate: --tls-ca-file CERT instead of --tls
+        key += " --tls"
     lines += [
         "try:",
         f"  loraplex generate --server {address}{key} \"{EXAMPLE_PROMPT}\"",
         "  loraplex demo-adapter /tmp/demo-lora",
         f"  loraplex adapters push --server {address}{key} --name demo /tmp/demo-lora",
         f"  loraplex generate --server {address}{key} --adapter demo \"{EXAMPLE_PROMPT}\"",
-        f"  grpcurl -plaintext -d '{{\"text\": \"{EXAMPLE_PROMPT}\"}}' {address} "
+        f"  grpcurl {'' if tls else '-plaintext '}"
+        f"-d '{{\"text\": \"{EXAMPLE_PROMPT}\"}}' {address} "
         "loraplex.v1.Generation/GenerateStream",
     ]
     print("\n".join(lines), flush=True)
@@ -170,7 +180,8 @@ async def gateway(args: argparse.Namespace) -> int:
                       quota_backend=open_quota_backend(spec, config.quota_lease_seconds))
     await gateway.start(wait_for_workers=5.0)
     _on_signals(gateway.drain, gateway.stop, keys.reload)
-    print(f"loraplex gateway listening on {gateway.address} ({len(workers)} worker targets, "
+    print(f"loraplex gateway listening on {gateway.address} ("
+          f"{'TLS' if config.tls else 'plaintext'}, {len(workers)} worker targets, "
           f"adapter store {redact(spec)})", flush=True)
     try:
         await gateway.wait()
