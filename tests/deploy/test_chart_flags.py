@@ -31,7 +31,10 @@ CHART_MANAGED = {
 # Flags the chart leaves to the server's default, and why.
 NOT_MAPPED = {
     "gateway": {"api_key_hashes": "keys come from the Secret mounted as a file, which rotates "
-                                  "without a restart (a variable would not)"},
+                                  "without a restart (a variable would not)",
+                **{flag: "client TLS terminates at the Ingress or Gateway API route "
+                         "(gateway.ingress.tls): the kubelet's gRPC probes speak plaintext"
+                   for flag in ("tls_cert_file", "tls_key_file", "tls_client_ca_file")}},
     "worker": {"worker_id": "the default hostname:port is the StatefulSet pod's stable name"},
 }
 VALUE_MAPS = {"gateway": (("gateway", "config"),),
