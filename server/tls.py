@@ -94,7 +94,7 @@ def client_credentials(tls: bool | None = None, ca_file: str | None = None,
     cert_file = cert_file if cert_file is not None else env.get("CLIENT_CERT_FILE")
     key_file = key_file if key_file is not None else env.get("CLIENT_KEY_FILE")
     if tls is None:
-        tls = (env.get("TLS", "") or "").lower() in ("1", "true", "yes", "on") or bool(
+        tls = (env.get("TLS") or "").lower() in ("1", "true", "yes", "on") or bool(
             ca_file or cert_file or key_file)
     if not tls:
         return None

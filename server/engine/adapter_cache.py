@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from loraplex.kernels.layout import AdapterLayout, adapter_layout
+from loraplex.kernels.reference import ModuleBlocks
 from loraplex.server.engine.models.config import LORA_MODULES, ModelConfig
 from loraplex.server.engine.pager import PageKind, Pager
 from loraplex.server.engine.request import Request
@@ -96,7 +97,8 @@ class ResidentAdapter:
     # The CPU LoRA path's blocks of this adapter per (layer, fused group), resolved on first
     # use (lora.py); its pages do not move while it is resident, and the cache goes with this
     # object when the adapter is evicted.
-    blocks: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+    blocks: dict[tuple[int, str], tuple[ModuleBlocks, ...]] = field(
+        default_factory=dict, compare=False, repr=False)
 
 
 class AdapterManager:
