@@ -37,7 +37,7 @@ _TOKENIZER = frozenset({
     "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
     "chat_template.jinja", "chat_template.json",
 })
-_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ def _check_declared(declared: Mapping[str, str], sizes: Mapping[str, int]) -> di
         check_file_name(name)
         if name not in sizes:
             _fail(name, "sha256", "declared for a file that was not uploaded")
-        if not isinstance(digest, str) or not _SHA256_HEX.match(digest):
+        if not isinstance(digest, str) or not _SHA256_HEX.fullmatch(digest):
             _fail(name, "sha256", "must be 64 lowercase hex digits")
         out[name] = digest
     for name in sizes:

@@ -47,8 +47,8 @@ MODULE_GROUPS: dict[str, str] = {
     "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
     "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
 }
-_PEFT_KEY = re.compile(r"^base_model\.model\.model\.layers\.(0|[1-9][0-9]{0,5})\."
-                       r"([A-Za-z0-9_]+)\.([A-Za-z0-9_]+)\.lora_(A|B)\.weight$")
+_PEFT_KEY = re.compile(r"base_model\.model\.model\.layers\.(0|[1-9][0-9]{0,5})\."
+                       r"([A-Za-z0-9_]+)\.([A-Za-z0-9_]+)\.lora_(A|B)\.weight")
 _PEFT_KEY_FORM = "base_model.model.model.layers.<i>.<self_attn|mlp>.<module>.lora_<A|B>.weight"
 
 Weights = Mapping[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
@@ -259,7 +259,7 @@ def load_adapter(path: str | os.PathLike[str], base_config: ModelConfig, *,
     del files
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for name, t in tensors.items():
-        m = _PEFT_KEY.match(name)
+        m = _PEFT_KEY.fullmatch(name)
         if m is None:
             _fail(WEIGHTS_FILE, f"tensor {name!r:.120}", f"not a LoRA weight of the form "
                   f"{_PEFT_KEY_FORM} (DoRA, biases and embeddings are not supported)")

@@ -64,7 +64,7 @@ _SEMANTIC_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "velora_config": (None,),
 }
 _USED = frozenset({"peft_type", "r", "lora_alpha", "use_rslora", "target_modules"})
-_MODULE_ENTRY = re.compile(r"^(?:[A-Za-z0-9_]+\.)*([A-Za-z0-9_]+)$")
+_MODULE_ENTRY = re.compile(r"(?:[A-Za-z0-9_]+\.)*([A-Za-z0-9_]+)")
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ def _target_modules(value: Any) -> tuple[str, ...] | None:
         _fail("target_modules", f"must be a non-empty list of module names, got {value!r:.80}")
     found = set()
     for entry in value:
-        m = _MODULE_ENTRY.match(entry)
+        m = _MODULE_ENTRY.fullmatch(entry)
         if m is None or m.group(1) not in LORA_MODULES:
             _fail("target_modules", f"{entry!r:.80} matches no module of the base model "
                   f"(known: {', '.join(LORA_MODULES)})")

@@ -40,8 +40,8 @@ __all__ = [
 ]
 
 DEFAULT_TENANT = "default"
-NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
-DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
+DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 MAX_UPLOADER_CHARS = 256
 
 Progress = Callable[[int], None]  # called with the number of bytes just written
@@ -94,21 +94,21 @@ class AdapterVersion:
                       created=float(doc["created"]), uploader=str(doc["uploader"]))
         except (KeyError, TypeError, ValueError) as e:
             raise AdapterStoreError(f"metadata of {name}@{version} is corrupt ({e})") from e
-        if not DIGEST_RE.match(out.digest):
+        if not DIGEST_RE.fullmatch(out.digest):
             raise AdapterStoreError(f"metadata of {name}@{version} is corrupt (digest)")
         return out
 
 
 def check_name(name: str, what: str = "name") -> str:
     """Refuse a name or tenant outside ``[a-z0-9][a-z0-9._-]{0,127}`` (``ValueError``)."""
-    if not isinstance(name, str) or not NAME_RE.match(name):
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise ValueError(f"{what} {str(name)[:140]!r} must match [a-z0-9][a-z0-9._-]{{0,127}}")
     return name
 
 
 def check_digest(digest: str) -> str:
     """Refuse anything but 64 lowercase hex digits (``ValueError``)."""
-    if not isinstance(digest, str) or not DIGEST_RE.match(digest):
+    if not isinstance(digest, str) or not DIGEST_RE.fullmatch(digest):
         raise ValueError(f"digest {str(digest)[:80]!r} is not 64 lowercase hex digits")
     return digest
 

@@ -46,7 +46,7 @@ from loraplex.server.quota import LIMIT_NAMES
 logger = logging.getLogger(__name__)
 
 ADMIN_ROLE = "admin"
-_HASH = re.compile(r"^(?:sha256:)?([0-9a-f]{64})$")
+_HASH = re.compile(r"(?:sha256:)?([0-9a-f]{64})")
 MAX_KEY_CHARS = 1024
 
 
@@ -101,7 +101,7 @@ def _parse_options(options: list[str]) -> tuple[bool, tuple[tuple[str, int], ...
             return admin, (), f"the role must be {ADMIN_ROLE!r}, right after the tenant"
         if name not in LIMIT_NAMES:
             return admin, (), f"unknown limit {name!r} (known: {', '.join(LIMIT_NAMES)})"
-        if not value.isdigit():
+        if not (value.isascii() and value.isdigit()):
             return admin, (), f"{name}: {value!r} is not a whole number >= 0"
         limits[name] = int(value)
     return admin, tuple(limits.items()), None
@@ -119,7 +119,7 @@ def parse_keys(text: str, source: str) -> list[KeyEntry]:
         problem = None
         admin = False
         limits: tuple[tuple[str, int], ...] = ()
-        match = _HASH.match(fields[0].lower())
+        match = _HASH.fullmatch(fields[0].lower())
         if match is None:
             problem = "the first field must be the key's sha256 (64 hex digits)"
         elif len(fields) < 2:
