@@ -13,17 +13,34 @@ from loraplex.server.engine.request import SamplingParams, TokenLogprob
 FINISH_REASONS = ("stop", "length")
 
 
+# Whose fault a status is, sent as the ``loraplex-origin`` trailer of every status a loraplex
+# handler returns on purpose (see ``convert.py``).
+ORIGIN_REQUEST = "request"  # this request's own error: the server itself is fine
+ORIGIN_SERVER = "server"  # the server refuses any work now (draining, its engine failed)
+
+
 class ServiceError(Exception):
     """A call ends with this gRPC status code and message.
 
     Raised by the gateway and worker implementations (the conversion layer turns it into the
     call's status) and by the client (from the status the server sent).
+
+    Attributes:
+        origin: raising side: ``ORIGIN_SERVER`` for a refusal of any work, else the request's
+            own error (``None`` is sent as ``ORIGIN_REQUEST``). Receiving side: what the
+            peer's ``loraplex-origin`` trailer said, or ``None`` when it had none: the status
+            came from the transport (connection refused or reset, a killed process), not from
+            a loraplex handler.
+        cause: a short label for the failure metrics (``""``: the code says it all).
     """
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, *, origin: str | None = None,
+                 cause: str = "") -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        self.origin = origin
+        self.cause = cause
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,16 @@ Three kinds of things live here, all at the wire's edge (design.md §3):
   implementation that speaks only dataclasses and raises ``ServiceError`` for a status;
 * client stubs (``*Stub``): the generated stubs, taking and returning dataclasses and raising
   ``ServiceError`` for a non-OK status.
+
+Every status a handler returns on purpose carries the trailer ``loraplex-origin`` (``request``:
+the request's own error; ``server``: the server refuses any work now). A status without it did
+not come from a loraplex handler (a refused or reset connection, a killed process): the
+gateway takes only those, and the ``server`` ones, as a sign that a worker is gone.
+
+Requests are parsed leniently: a message protobuf cannot parse (invalid UTF-8 in a string
+field) becomes a ``Malformed`` value instead of an exception inside gRPC (which would answer
+UNKNOWN and log a traceback per request); the servicer then answers INVALID_ARGUMENT naming
+the field, after authentication, so an unauthenticated caller learns nothing of the schema.
 """
 
 from __future__ import annotations
@@ -16,14 +26,17 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import fields
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import grpc
+from google.protobuf.descriptor import Descriptor, FieldDescriptor, ServiceDescriptor
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from loraplex.adapter_store.store import AdapterVersion
 from loraplex.server.api import (
+    ORIGIN_REQUEST,
     AdapterQuery,
     Completion,
     FileHeader,
@@ -38,6 +51,7 @@ from loraplex.server.api import (
     WorkerStatus,
 )
 from loraplex.server.engine.request import SamplingParams, TokenLogprob
+from loraplex.server.quote import cap_message
 from loraplex.v1 import (
     adapters_pb2,
     adapters_pb2_grpc,
@@ -53,6 +67,7 @@ _FINISH_TO_PB = {"stop": generation_pb2.FINISH_REASON_STOP,
                  "length": generation_pb2.FINISH_REASON_LENGTH}
 _FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
 _DEFAULT_PARAMS = SamplingParams()
+ORIGIN_KEY = "loraplex-origin"
 
 
 # -- messages -----------------------------------------------------------------------------------
@@ -240,6 +255,12 @@ def upload_part_to_pb(part: UploadPart) -> adapters_pb2.UploadRequest:
 
 # -- servicer glue ------------------------------------------------------------------------------
 class GenerationImpl(Protocol):
+    def authenticate(self, context: grpc.aio.ServicerContext) -> str:
+        """The caller's tenant; raises ``ServiceError`` (UNAUTHENTICATED)."""
+
+    def refused(self, tenant: str, error: ServiceError) -> None:
+        """Count a request refused before it reached ``generate`` (bad key, bad message)."""
+
     async def generate(self, request: GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> Completion: ...
 
@@ -255,6 +276,9 @@ class WorkerImpl(Protocol):
 
 
 class AdaptersImpl(Protocol):
+    def authenticate(self, context: grpc.aio.ServicerContext) -> str:
+        """The caller's tenant; raises ``ServiceError`` (UNAUTHENTICATED)."""
+
     async def upload(self, parts: AsyncIterator[UploadPart],
                      context: grpc.aio.ServicerContext) -> AdapterVersion: ...
 
@@ -276,20 +300,124 @@ async def _status_on_error(context: grpc.aio.ServicerContext, method: str
     try:
         yield
     except ServiceError as exc:
-        await context.abort(exc.code, exc.message)
+        await context.abort(exc.code, cap_message(exc.message),
+                            trailing_metadata=((ORIGIN_KEY, exc.origin or ORIGIN_REQUEST),))
     except grpc.aio.AbortError:
         raise
     except Exception:
         logger.exception("%s failed", method)
-        await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}")
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}",
+                            trailing_metadata=((ORIGIN_KEY, ORIGIN_REQUEST),))
 
 
-async def _convert_or_abort(context: grpc.aio.ServicerContext, fn: Callable[[Any], Any],
-                            message: Any) -> Any:
+class Malformed(NamedTuple):
+    """A request message protobuf could not parse, in place of the message."""
+
+    message_type: str
+    field: str | None  # the dotted path of the string field that is not UTF-8, when found
+
+    def error(self) -> ServiceError:
+        where = f"{self.message_type}.{self.field}" if self.field else self.message_type
+        what = "is not valid UTF-8" if self.field else "is not a valid protobuf message"
+        return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: {what}")
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[pos]  # IndexError past the end: the caller's sign of a truncated message
+        value |= (byte & 0x7F) << shift
+        pos += 1
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+        if shift > 63:
+            raise IndexError("varint too long")
+
+
+def _bad_utf8_field(desc: Descriptor, data: bytes, depth: int = 0) -> str | None:
+    """The dotted path of the first string field of ``data`` (a serialized ``desc``) whose
+    bytes are not UTF-8, walking the wire format; None if there is none or the bytes are not
+    protobuf at all."""
+    pos = 0
+    try:
+        while pos < len(data):
+            key, pos = _varint(data, pos)
+            number, wire_type = key >> 3, key & 7
+            if wire_type == 0:
+                _, pos = _varint(data, pos)
+            elif wire_type in (1, 5):
+                pos += 8 if wire_type == 1 else 4
+            elif wire_type == 2:
+                size, pos = _varint(data, pos)
+                value, pos = data[pos:pos + size], pos + size
+                field = desc.fields_by_number.get(number)
+                if field is None:
+                    continue
+                if field.type == FieldDescriptor.TYPE_STRING:
+                    try:
+                        value.decode("utf-8")
+                    except UnicodeDecodeError:
+                        return field.name
+                elif field.type == FieldDescriptor.TYPE_MESSAGE and depth < 16:
+                    inner = _bad_utf8_field(field.message_type, value, depth + 1)
+                    if inner is not None:
+                        return f"{field.name}.{inner}"
+            else:
+                return None
+    except IndexError:
+        return None
+    return None
+
+
+def _lenient(message_class: Any) -> Callable[[bytes], Any]:
+    """A request deserializer that returns ``Malformed`` instead of raising."""
+    def parse(data: bytes) -> Any:
+        try:
+            return message_class.FromString(data)
+        except DecodeError:
+            desc = message_class.DESCRIPTOR
+            return Malformed(desc.name, _bad_utf8_field(desc, data))
+    return parse
+
+
+_HANDLER_KINDS = {(False, False): grpc.unary_unary_rpc_method_handler,
+                  (False, True): grpc.unary_stream_rpc_method_handler,
+                  (True, False): grpc.stream_unary_rpc_method_handler,
+                  (True, True): grpc.stream_stream_rpc_method_handler}
+
+
+def _add_service(server: grpc.aio.Server, servicer: Any, service: ServiceDescriptor) -> str:
+    """What the generated ``add_*Servicer_to_server`` does, with lenient request parsing."""
+    pb_modules = (adapters_pb2, generation_pb2, worker_pb2)
+    handlers = {}
+    for method in service.methods:
+        request_class = _message_class(method.input_type, pb_modules)
+        response_class = _message_class(method.output_type, pb_modules)
+        kind = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = kind(getattr(servicer, method.name),
+                                     request_deserializer=_lenient(request_class),
+                                     response_serializer=response_class.SerializeToString)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    return str(service.full_name)
+
+
+def _message_class(desc: Descriptor, modules: tuple[Any, ...]) -> Any:
+    for module in modules:
+        if module.DESCRIPTOR is desc.file:
+            return getattr(module, desc.name)
+    raise LookupError(f"no generated class for {desc.full_name}")
+
+
+def _convert(fn: Callable[[Any], Any], message: Any) -> Any:
+    """``fn(message)``; ``ServiceError`` INVALID_ARGUMENT for a malformed or invalid one."""
+    if isinstance(message, Malformed):
+        raise message.error()
     try:
         return fn(message)
     except ValueError as exc:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
 
 async def _write_stream(context: grpc.aio.ServicerContext,
@@ -307,14 +435,24 @@ class _GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, impl: GenerationImpl) -> None:
         self._impl = impl
 
+    def _admit(self, request: Any, context: grpc.aio.ServicerContext) -> GenerateRequest:
+        # The key first: a caller without one learns nothing about the request's schema.
+        tenant = "unauthenticated"
+        try:
+            tenant = self._impl.authenticate(context)
+            return _convert(generate_request_from_pb, request)  # type: ignore[no-any-return]
+        except ServiceError as exc:
+            self._impl.refused(tenant, exc)
+            raise
+
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        req = await _convert_or_abort(context, generate_request_from_pb, request)
         async with _status_on_error(context, "Generate"):
+            req = self._admit(request, context)
             return completion_to_pb(await self._impl.generate(req, context))
 
     async def GenerateStream(self, request: Any, context: grpc.aio.ServicerContext) -> None:
-        req = await _convert_or_abort(context, generate_request_from_pb, request)
         async with _status_on_error(context, "GenerateStream"):
+            req = self._admit(request, context)
             await _write_stream(context, self._impl.generate_stream(req, context))
 
 
@@ -323,8 +461,8 @@ class _WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._impl = impl
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> None:
-        req = await _convert_or_abort(context, worker_request_from_pb, request)
         async with _status_on_error(context, "Worker.Generate"):
+            req = _convert(worker_request_from_pb, request)
             await _write_stream(context, self._impl.generate(req, context))
 
     async def Status(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -334,10 +472,7 @@ class _WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 async def _upload_parts(messages: AsyncIterator[Any]) -> AsyncIterator[UploadPart]:
     async for m in messages:
-        try:
-            yield upload_part_from_pb(m)
-        except ValueError as exc:
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        yield _convert(upload_part_from_pb, m)
 
 
 class _AdaptersServicer(adapters_pb2_grpc.AdaptersServicer):
@@ -349,19 +484,28 @@ class _AdaptersServicer(adapters_pb2_grpc.AdaptersServicer):
             return adapter_to_pb(await self._impl.upload(_upload_parts(request_iterator),
                                                          context))
 
+    def _checked(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, Malformed):
+            self._impl.authenticate(context)  # the key first, as for Generate
+            raise request.error()
+        return request
+
     async def List(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async with _status_on_error(context, "Adapters.List"):
+            request = self._checked(request, context)
             found = await self._impl.list_adapters(AdapterQuery(request.name, request.tenant),
                                                    context)
             return adapters_pb2.ListAdaptersResponse(adapters=[adapter_to_pb(v) for v in found])
 
     async def Get(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async with _status_on_error(context, "Adapters.Get"):
+            request = self._checked(request, context)
             return adapter_to_pb(await self._impl.get_adapter(
                 AdapterQuery(request.adapter, request.tenant), context))
 
     async def Delete(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async with _status_on_error(context, "Adapters.Delete"):
+            request = self._checked(request, context)
             deleted = await self._impl.delete_adapter(
                 AdapterQuery(request.adapter, request.tenant), context)
             return adapters_pb2.DeleteAdapterResponse(deleted=[adapter_to_pb(v) for v in deleted])
@@ -369,20 +513,20 @@ class _AdaptersServicer(adapters_pb2_grpc.AdaptersServicer):
 
 def add_adapters_service(server: grpc.aio.Server, impl: AdaptersImpl) -> str:
     """Serve ``loraplex.v1.Adapters`` from ``impl``; returns the full service name."""
-    adapters_pb2_grpc.add_AdaptersServicer_to_server(_AdaptersServicer(impl), server)
-    return adapters_pb2.DESCRIPTOR.services_by_name["Adapters"].full_name
+    return _add_service(server, _AdaptersServicer(impl),
+                        adapters_pb2.DESCRIPTOR.services_by_name["Adapters"])
 
 
 def add_generation_service(server: grpc.aio.Server, impl: GenerationImpl) -> str:
     """Serve ``loraplex.v1.Generation`` from ``impl``; returns the full service name."""
-    generation_pb2_grpc.add_GenerationServicer_to_server(_GenerationServicer(impl), server)
-    return generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+    return _add_service(server, _GenerationServicer(impl),
+                        generation_pb2.DESCRIPTOR.services_by_name["Generation"])
 
 
 def add_worker_service(server: grpc.aio.Server, impl: WorkerImpl) -> str:
     """Serve ``loraplex.v1.Worker`` from ``impl``; returns the full service name."""
-    worker_pb2_grpc.add_WorkerServicer_to_server(_WorkerServicer(impl), server)
-    return worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+    return _add_service(server, _WorkerServicer(impl),
+                        worker_pb2.DESCRIPTOR.services_by_name["Worker"])
 
 
 LIVENESS_SERVICE = "loraplex.liveness"
@@ -437,7 +581,10 @@ _HEALTH_NAMES = {health_pb2.HealthCheckResponse.SERVING: "SERVING",
 def _error(exc: grpc.RpcError) -> ServiceError:
     code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
     details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
-    return ServiceError(code, details or "")
+    trailer = exc.trailing_metadata() if callable(getattr(exc, "trailing_metadata", None)) \
+        else None
+    origin = next((str(v) for k, v in trailer or () if k == ORIGIN_KEY), None)
+    return ServiceError(code, details or "", origin=origin)
 
 
 def _call(rpc: Any, request: Any, parse: Callable[[Any], Any], metadata: Metadata | None,

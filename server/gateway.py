@@ -13,7 +13,11 @@ A request's way through it (``GenerationService.generate_stream``):
 5. Route (``router.route`` over the pool's snapshots) and proxy the worker's stream chunk by
    chunk. A worker that refuses (queue full, draining) or fails before the first token is
    sent is replaced by the next candidate; after it, the stream ends ``UNAVAILABLE``.
-   Cancellation and the deadline reach the worker, which aborts the request.
+   Cancellation and the deadline reach the worker, which aborts the request. A worker is
+   taken out of routing only when the call failed at the transport (a status without the
+   ``loraplex-origin`` trailer) or the worker refused all work (``server``); a request's own
+   error (``request``: its adapter cannot be loaded, sampling failed) goes back to the
+   client and the worker keeps serving everyone else.
 6. SIGTERM (``Gateway.drain``): health NOT_SERVING, new requests ``UNAVAILABLE``, in-flight
    requests finish within the grace period.
 """
@@ -35,6 +39,8 @@ from loraplex.adapter_store.errors import AdapterNotFound, AdapterStoreError
 from loraplex.adapter_store.store import AdapterStore, parse_ref
 from loraplex.server import convert
 from loraplex.server.api import (
+    ORIGIN_REQUEST,
+    ORIGIN_SERVER,
     Completion,
     GenerateChunk,
     GenerateRequest,
@@ -55,6 +61,7 @@ from loraplex.server.quota import (
     TenantLimits,
     Ticket,
 )
+from loraplex.server.quote import quote
 from loraplex.server.tls import ServerTls
 from loraplex.server.worker import format_address, grpc_server_options
 
@@ -65,7 +72,8 @@ MAX_REQUEST_ID_CHARS = 128
 MAX_ADAPTER_REF_CHARS = 160
 # Statuses after which the request may go to another worker (if no token was sent yet).
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
-# A stream that breaks after its first token: the worker is gone, whatever the code says.
+# A stream that breaks after its first token with one of these, not as the request's own
+# error: the worker is gone.
 BROKEN_STREAM = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
                  grpc.StatusCode.UNKNOWN)
 
@@ -189,6 +197,18 @@ class GenerationService:
         self._idle = asyncio.Event()
         self._idle.set()
 
+    def authenticate(self, context: grpc.aio.ServicerContext) -> str:
+        """The caller's tenant (checked before the request's fields are looked at).
+
+        Raises:
+            ServiceError: UNAUTHENTICATED.
+        """
+        return self.keys.authenticate(context.invocation_metadata()).tenant
+
+    def refused(self, tenant: str, error: ServiceError) -> None:
+        """Count a request refused before ``generate_stream`` (a bad key or message)."""
+        StreamTimer(self.metrics).finish(tenant, error.code.name, _cause(error))
+
     async def generate(self, request: GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> Completion:
         """The whole completion (the stream, gathered)."""
@@ -204,7 +224,7 @@ class GenerationService:
                               ) -> AsyncGenerator[GenerateChunk, None]:
         """Authenticate, bound, resolve, admit, route and proxy one request."""
         timer = StreamTimer(self.metrics)
-        tenant, code = "unauthenticated", "CANCELLED"
+        tenant, code, cause = "unauthenticated", "CANCELLED", "cancelled"
         ticket: Ticket | None = None
         usage: Usage | None = None
         num_streamed = 0
@@ -215,7 +235,7 @@ class GenerationService:
             tenant = identity.tenant
             if self.draining:
                 raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                                   "the gateway is shutting down; retry")
+                                   "the gateway is shutting down; retry", cause="draining")
             check_bounds(request, self.config)
             digest = await self.resolve(tenant, request.adapter)
             ticket = await self.quotas.admit(tenant, request)
@@ -223,7 +243,8 @@ class GenerationService:
                 request_id=uuid.uuid4().hex, tenant=tenant, prompt=request.prompt,
                 params=request.params, adapter_digest=digest)
             request_id = request.request_id or worker_request.request_id
-            async with contextlib.aclosing(self._proxy(worker_request, context, timer)) as chunks:
+            proxied = self._proxy(worker_request, request.adapter, context, timer)
+            async with contextlib.aclosing(proxied) as chunks:
                 async for chunk in chunks:
                     chunk.request_id = request_id
                     num_streamed += len(chunk.token_ids)
@@ -231,13 +252,13 @@ class GenerationService:
                     yield chunk
             code = "OK"
         except ServiceError as exc:
-            code = exc.code.name
+            code, cause = exc.code.name, _cause(exc)
             raise
         finally:
             remaining = context.time_remaining()
             if code == "CANCELLED" and remaining is not None and remaining <= 0:
-                code = "DEADLINE_EXCEEDED"
-            timer.finish(tenant, code)
+                code, cause = "DEADLINE_EXCEEDED", "deadline"
+            timer.finish(tenant, code, cause)
             try:
                 if ticket is not None:
                     await self.quotas.release(ticket, usage, num_streamed)
@@ -262,12 +283,14 @@ class GenerationService:
         try:
             record = await asyncio.to_thread(self.store.resolve, tenant, ref)
         except AdapterNotFound:
-            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"adapter {ref!r} not found") from None
+            raise ServiceError(grpc.StatusCode.NOT_FOUND,
+                               f"adapter {quote(ref)} not found") from None
         except AdapterStoreError as exc:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"adapter store: {exc}") from None
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"adapter store: {exc}",
+                               cause="store") from None
         return record.digest
 
-    async def _proxy(self, request: WorkerRequest, context: grpc.aio.ServicerContext,
+    async def _proxy(self, request: WorkerRequest, ref: str, context: grpc.aio.ServicerContext,
                      timer: StreamTimer) -> AsyncGenerator[GenerateChunk, None]:
         tried: set[str] = set()
         last_error: ServiceError | None = None
@@ -278,8 +301,10 @@ class GenerationService:
                     raise last_error
                 if choice.decision == "full":
                     raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                       "every worker's queue is full; retry later")
-                raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no worker is available")
+                                       "every worker's queue is full; retry later",
+                                       cause="overloaded")
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no worker is available",
+                                   cause="no_worker")
             address = choice.addresses[0]
             tried.add(address)
             self.metrics.router_decisions.labels(decision=choice.decision).inc()
@@ -297,21 +322,24 @@ class GenerationService:
                         yield chunk
                 return
             except ServiceError as exc:
+                # No trailer: the transport failed (refused, reset, a killed process).
+                lost = {None: "transport", ORIGIN_SERVER: "not_serving"}.get(exc.origin)
                 if sent:
-                    if exc.code in BROKEN_STREAM:
-                        self.pool.mark_unhealthy(address)
+                    if exc.code in BROKEN_STREAM and lost:
+                        self.pool.mark_unhealthy(address, lost)
                         raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                                           f"the worker failed mid-stream: {exc.message}"
-                                           ) from None
-                    raise
+                                           f"the worker failed mid-stream: {exc.message}",
+                                           cause="worker_lost") from None
+                    raise _request_error(exc, ref) from None
                 if exc.code not in RETRYABLE:
-                    raise
-                if exc.code == grpc.StatusCode.UNAVAILABLE:
-                    self.pool.mark_unhealthy(address)
+                    raise _request_error(exc, ref) from None
+                if exc.code == grpc.StatusCode.UNAVAILABLE and lost:
+                    self.pool.mark_unhealthy(address, lost)
                 logger.info("request %s: worker %s refused (%s); trying another",
                             request.request_id, address, exc.code.name)
                 self.metrics.retries.labels(reason=exc.code.name.lower()).inc()
-                last_error = exc
+                last_error = ServiceError(exc.code, exc.message,
+                                          cause="worker_lost" if lost else "")
 
     async def drain(self, grace_seconds: float) -> bool:
         """Refuse new requests; wait up to ``grace_seconds`` for in-flight ones. Returns
@@ -322,6 +350,27 @@ class GenerationService:
         except asyncio.TimeoutError:
             return False
         return True
+
+
+_CAUSES = {"UNAUTHENTICATED": "auth", "PERMISSION_DENIED": "auth",
+           "INVALID_ARGUMENT": "invalid", "NOT_FOUND": "not_found",
+           "RESOURCE_EXHAUSTED": "quota", "FAILED_PRECONDITION": "adapter"}
+
+
+def _cause(exc: ServiceError) -> str:
+    """The failure metrics' label for ``exc``: its own cause, else one read off its code."""
+    return exc.cause or _CAUSES.get(exc.code.name, exc.code.name.lower())
+
+
+def _request_error(exc: ServiceError, ref: str) -> ServiceError:
+    """A worker's status for this request, as the client gets it (its adapter named: the
+    worker knows only the digest)."""
+    message = exc.message
+    if exc.code == grpc.StatusCode.FAILED_PRECONDITION and ref:
+        message = f"adapter {quote(ref)}: {message}"
+    cause = {"INVALID_ARGUMENT": "worker_invalid", "INTERNAL": "worker_internal"}.get(
+        exc.code.name, "")
+    return ServiceError(exc.code, message, origin=ORIGIN_REQUEST, cause=exc.cause or cause)
 
 
 class Gateway:

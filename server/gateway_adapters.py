@@ -37,6 +37,7 @@ from loraplex.server.api import AdapterQuery, FileHeader, ServiceError, UploadMe
 from loraplex.server.auth import Identity, KeyRing
 from loraplex.server.engine.models.config import ModelConfig
 from loraplex.server.metrics import GatewayMetrics
+from loraplex.server.quote import quote
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ def store_errors(ref: str = "") -> Iterator[None]:
     try:
         yield
     except AdapterNotFound:
-        raise ServiceError(grpc.StatusCode.NOT_FOUND, f"adapter {ref!r} not found") from None
+        raise ServiceError(grpc.StatusCode.NOT_FOUND, f"adapter {quote(ref)} not found") from None
     except ValueError as exc:  # AdapterValidationError too: it names the file and field
         raise _invalid(str(exc)) from None
     except AdapterStoreError as exc:
@@ -129,6 +130,14 @@ class AdaptersService:
         self.base_config = base_config
         self.limits = limits
         self.metrics = metrics
+
+    def authenticate(self, context: grpc.aio.ServicerContext) -> str:
+        """The caller's tenant (checked before a malformed message is refused).
+
+        Raises:
+            ServiceError: UNAUTHENTICATED.
+        """
+        return self.keys.authenticate(context.invocation_metadata()).tenant
 
     def _caller(self, context: grpc.aio.ServicerContext, tenant: str) -> str:
         identity: Identity = self.keys.authenticate(context.invocation_metadata())

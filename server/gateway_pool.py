@@ -2,7 +2,10 @@
 ``status_interval`` (<= 250 ms), in-flight counts, and DNS names re-resolved so that a
 Kubernetes headless service's pods come and go.
 
-The router (``router.route``) sees only ``WorkerSnapshot``s made here.
+The router (``router.route``) sees only ``WorkerSnapshot``s made here. A worker leaves routing
+only on its own word (Status says not serving, or it refuses all work) or when it cannot be
+reached (a failed Status poll, a call that failed at the transport); a request's own error,
+such as an adapter that cannot be loaded, never takes it out. Each loss is counted by reason.
 """
 
 from __future__ import annotations
@@ -117,9 +120,13 @@ class WorkerHandle:
     def _set_gauge(self) -> None:
         self._metrics.inflight.labels(worker=self.address).set(len(self._sent))
 
-    def set_healthy(self, healthy: bool) -> None:
+    def set_healthy(self, healthy: bool, reason: str = "") -> None:
+        """Mark the worker up or down; a fall from up counts as lost by ``reason``."""
         if healthy != self.healthy:
-            logger.info("worker %s is %s", self.address, "up" if healthy else "down")
+            logger.info("worker %s is %s%s", self.address, "up" if healthy else "down",
+                        f" ({reason})" if reason and not healthy else "")
+            if not healthy:
+                self._metrics.workers_lost.labels(reason=reason or "unreachable").inc()
         self.healthy = healthy
         self._metrics.worker_up.labels(worker=self.address).set(1 if healthy else 0)
 
@@ -135,10 +142,10 @@ class WorkerHandle:
                 self._missed += 1
                 if self._missed < MISSED_POLLS_UNHEALTHY:
                     return
-            self.set_healthy(False)
+            self.set_healthy(False, "unreachable")
             return
         self._missed = 0
-        self.set_healthy(self.status.serving)
+        self.set_healthy(self.status.serving, "not_serving")
 
     async def poll(self, interval: float, on_change: Callable[[], None]) -> None:
         while not self.removed:
@@ -212,11 +219,12 @@ class WorkerPool:
     def handle(self, address: str) -> WorkerHandle:
         return self._handles[address]
 
-    def mark_unhealthy(self, address: str) -> None:
-        """A call found the worker gone; skip it until a ``Status`` poll succeeds again."""
+    def mark_unhealthy(self, address: str, reason: str) -> None:
+        """A call found the worker gone (``reason`` ``transport``) or refusing all work
+        (``not_serving``); skip it until a ``Status`` poll succeeds again."""
         handle = self._handles.get(address)
         if handle is not None and handle.healthy:
-            handle.set_healthy(False)
+            handle.set_healthy(False, reason)
             self._on_change()
 
     async def wait_healthy(self, timeout: float) -> bool:
@@ -258,7 +266,10 @@ class WorkerPool:
             logger.info("worker %s added", address)
         for address in [a for a in self._handles if a not in addresses]:
             logger.info("worker %s removed (no longer in DNS)", address)
-            await self._handles.pop(address).close()
+            handle = self._handles.pop(address)
+            if handle.healthy:
+                self.metrics.workers_lost.labels(reason="removed").inc()
+            await handle.close()
         if new:
             await asyncio.gather(*(self._handles[a].poll_once(timeout=2.0) for a in new))
             for address in new:

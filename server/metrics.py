@@ -27,12 +27,17 @@ class RequestMetrics:
 
     Series:
         ``<prefix>_requests_total{tenant,code}``: requests by final gRPC status.
+        ``<prefix>_request_failures_total{code,cause}``: requests that did not end OK, by
+        status and cause (see ``docs/operations.md`` for the causes).
         ``<prefix>_ttft_seconds``, ``<prefix>_itl_seconds``, ``<prefix>_e2e_seconds``.
     """
 
     def __init__(self, prefix: str, registry: CollectorRegistry) -> None:
         self.requests = Counter(f"{prefix}_requests", "Requests by tenant and final gRPC status",
                                 ["tenant", "code"], registry=registry)
+        self.failures = Counter(f"{prefix}_request_failures",
+                                "Requests that did not end OK, by final gRPC status and cause",
+                                ["code", "cause"], registry=registry)
         self.ttft = Histogram(f"{prefix}_ttft_seconds", "Time to first token",
                               buckets=LATENCY_BUCKETS, registry=registry)
         self.itl = Histogram(f"{prefix}_itl_seconds", "Inter-token latency",
@@ -68,11 +73,14 @@ class StreamTimer:
     def ttft(self) -> float:
         return 0.0 if self.first_token is None else self.first_token - self.start
 
-    def finish(self, tenant: str, code: str) -> float:
-        """Count the request under its final status; returns its end-to-end seconds."""
+    def finish(self, tenant: str, code: str, cause: str = "") -> float:
+        """Count the request under its final status (and, unless OK, its cause: the code's
+        name in lower case when none is given); returns its end-to-end seconds."""
         elapsed = time.monotonic() - self.start
         if code == "OK":
             self._m.e2e.observe(elapsed)
+        else:
+            self._m.failures.labels(code=code, cause=cause or code.lower()).inc()
         self._m.requests.labels(tenant=tenant, code=code).inc()
         return elapsed
 
@@ -95,6 +103,11 @@ class GatewayMetrics(RequestMetrics):
         self.worker_up = Gauge("loraplex_gateway_worker_up",
                                "1 when the worker answers Status and is serving", ["worker"],
                                registry=registry)
+        self.workers_lost = Counter(
+            "loraplex_gateway_workers_lost", "Workers taken out of routing, by reason: "
+            "transport (a call to it failed below gRPC), not_serving (it said so: Status, or a "
+            "refusal of all work), unreachable (its Status poll failed), removed (gone from "
+            "DNS)", ["reason"], registry=registry)
         self.quota_refusals = Counter(
             "loraplex_gateway_quota_refusals", "Requests refused RESOURCE_EXHAUSTED by their "
             "tenant's quota, by limit (max_concurrency, tokens_per_minute)",

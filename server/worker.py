@@ -3,7 +3,12 @@
 1. ``Worker.Generate`` admits a request: refused with ``UNAVAILABLE`` while draining,
    ``RESOURCE_EXHAUSTED`` when ``max_queue`` requests already wait, ``INVALID_ARGUMENT`` when the
    engine refuses it (a prompt that does not fit the context) — all before it is queued.
-2. The engine thread (``EngineLoop``) runs it; each step's tokens stream back as chunks.
+2. The engine thread (``EngineLoop``) runs it; each step's tokens stream back as chunks. A
+   request that fails ends with its own status: ``FAILED_PRECONDITION`` naming the adapter
+   when its adapter cannot be loaded or placed here, ``INTERNAL`` when sampling or the model
+   step failed for it. These are the request's errors (trailer ``loraplex-origin: request``):
+   the gateway keeps routing to this worker. Only refusals of all work (draining, a failed
+   engine) say ``loraplex-origin: server``.
 3. A cancelled call (client gone, deadline passed) raises ``CancelledError`` in the handler;
    closing the stream aborts the request, whose pages return within one step.
 4. SIGTERM (``drain``): health turns NOT_SERVING, new requests get ``UNAVAILABLE``, running
@@ -25,6 +30,7 @@ from prometheus_client import CollectorRegistry
 from loraplex.server import convert
 from loraplex.server.api import (
     FINISH_REASONS,
+    ORIGIN_SERVER,
     GenerateChunk,
     ServiceError,
     Timing,
@@ -125,23 +131,25 @@ class WorkerService:
                        ) -> AsyncGenerator[GenerateChunk, None]:
         """Admit ``request`` and stream its chunks. Raises ``ServiceError`` (see the module
         docstring for the codes)."""
+        timer = StreamTimer(self.metrics)
         if not self.serving:
             reason = self._engine.error or "the worker is draining"
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"{reason}; retry on another worker")
+            timer.finish(request.tenant, "UNAVAILABLE", "unavailable")
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"{reason}; retry on another worker",
+                               origin=ORIGIN_SERVER)
         if self.queue_depth() >= self.config.max_queue:
-            self.metrics.requests.labels(tenant=request.tenant, code="RESOURCE_EXHAUSTED").inc()
+            timer.finish(request.tenant, "RESOURCE_EXHAUSTED", "overloaded")
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"worker queue is full ({self.config.max_queue} requests wait)")
-        timer = StreamTimer(self.metrics)
         try:
             req, queue = self._engine.submit(request)
         except ValueError as exc:
-            timer.finish(request.tenant, "INVALID_ARGUMENT")
+            timer.finish(request.tenant, "INVALID_ARGUMENT", "invalid")
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         rid = request.request_id
         self._active[rid] = req
         self._idle.clear()
-        code, finished = "CANCELLED", False
+        code, cause, finished = "CANCELLED", "cancelled", False
         try:
             while True:
                 out = await queue.get()
@@ -151,8 +159,16 @@ class WorkerService:
                                         list(out.logprobs))
                     continue
                 finished = True
-                code = _status_name(out)
-                self._raise_for(out)
+                failure = request_failure(out)
+                if failure is not None and self._engine.error is not None:
+                    # The engine thread ended: every request fails, none by its own fault.
+                    failure = ServiceError(grpc.StatusCode.UNAVAILABLE,
+                                           f"{self._engine.error}; retry on another worker",
+                                           origin=ORIGIN_SERVER, cause="engine")
+                if failure is not None:
+                    code, cause = failure.code.name, failure.cause
+                    raise failure
+                code, cause = "OK", ""
                 yield self._last_chunk(req, out, timer)
                 return
         finally:
@@ -160,20 +176,9 @@ class WorkerService:
             self._engine.release(rid)
             if not finished:
                 self._engine.abort(rid)
-            timer.finish(request.tenant, code)
+            timer.finish(request.tenant, code, cause)
             if not self._active:
                 self._idle.set()
-
-    def _raise_for(self, out: RequestOutput) -> None:
-        if out.finish_reason in FINISH_REASONS:
-            return
-        if out.finish_reason == "abort":
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
-                               "request aborted: the worker is shutting down")
-        if (out.error or "").startswith("adapter"):
-            # The adapter could not be loaded or placed here; another worker may manage.
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, out.error or "adapter unavailable")
-        raise ServiceError(grpc.StatusCode.INTERNAL, out.error or "the engine failed")
 
     def _last_chunk(self, req: Request, out: RequestOutput, timer: StreamTimer
                     ) -> GenerateChunk:
@@ -205,12 +210,26 @@ class WorkerService:
             logger.error("drain: %d requests did not end after abort", len(self._active))
 
 
-def _status_name(out: RequestOutput) -> str:
+def request_failure(out: RequestOutput) -> ServiceError | None:
+    """The status a finished request ends with (None: it finished normally), its ``cause``
+    labelling the failure metrics: ``aborted`` (the worker shuts down), ``adapter`` (its
+    adapter could not be loaded or placed), ``numerics`` (sampling failed for its logits),
+    ``internal`` (anything else, such as a failed model step)."""
     if out.finish_reason in FINISH_REASONS:
-        return "OK"
-    if out.finish_reason == "abort" or (out.error or "").startswith("adapter"):
-        return "UNAVAILABLE"
-    return "INTERNAL"
+        return None
+    if out.finish_reason == "abort":
+        return ServiceError(grpc.StatusCode.UNAVAILABLE,
+                            "request aborted: the worker is shutting down",
+                            origin=ORIGIN_SERVER, cause="aborted")
+    error = out.error or "the engine failed"
+    if error.startswith("adapter"):
+        # The adapter's blob is damaged or unreadable, or it can never fit beside the
+        # request's KV: the request's error, not the worker's. A store outage lands here too;
+        # the gateway reads the same store and would see it first (UNAVAILABLE there).
+        return ServiceError(grpc.StatusCode.FAILED_PRECONDITION, error, cause="adapter")
+    if error.startswith("sampling"):
+        return ServiceError(grpc.StatusCode.INTERNAL, error, cause="numerics")
+    return ServiceError(grpc.StatusCode.INTERNAL, error, cause="internal")
 
 
 class WorkerServer:

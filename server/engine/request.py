@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loraplex.server.quote import quote
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_LOGPROBS = 20
@@ -62,8 +64,9 @@ class SamplingParams:
             raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings")
         for s in self.stop:
             if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_LEN:
+                shown = quote(s) if isinstance(s, str) else type(s).__name__
                 raise ValueError(f"stop: each stop string must be 1..{MAX_STOP_STRING_LEN} "
-                                 f"characters, got {s!r}")
+                                 f"characters, got {shown}")
         if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
