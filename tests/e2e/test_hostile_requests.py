@@ -128,6 +128,13 @@ def test_authentication_comes_before_field_validation(cluster: Cluster) -> None:
     for method, data in cases:
         code, _ = raw_call(cluster.address, method, data, streaming=method == GENERATE_STREAM)
         assert code == grpc.StatusCode.INVALID_ARGUMENT, method
+    # Refusals before the request reached the gateway's stream still count, by cause.
+    failures = {(s.labels["code"], s.labels["cause"]): s.value
+                for m in cluster.gateway.registry.collect()
+                if m.name == "loraplex_gateway_request_failures"
+                for s in m.samples if s.name.endswith("_total")}
+    assert failures[("UNAUTHENTICATED", "auth")] >= 6  # the Generation cases, twice each
+    assert failures[("INVALID_ARGUMENT", "invalid")] >= 3
 
 
 def test_oversized_fields_are_not_echoed(cluster: Cluster) -> None:
