@@ -338,8 +338,9 @@ class GenerationService:
                 logger.info("request %s: worker %s refused (%s); trying another",
                             request.request_id, address, exc.code.name)
                 self.metrics.retries.labels(reason=exc.code.name.lower()).inc()
-                last_error = ServiceError(exc.code, exc.message,
-                                          cause="worker_lost" if lost else "")
+                busy = exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                last_error = ServiceError(exc.code, exc.message, cause="worker_lost" if lost
+                                          else "overloaded" if busy else "worker_unavailable")
 
     async def drain(self, grace_seconds: float) -> bool:
         """Refuse new requests; wait up to ``grace_seconds`` for in-flight ones. Returns
