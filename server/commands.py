@@ -23,8 +23,10 @@ from loraplex.server.settings import add_flags, apply_env, check_env
 DEFAULT_SERVER = "127.0.0.1:50051"
 
 
-# ``serve`` runs one gateway over one in-process worker: no routing settings.
+# ``serve`` runs one gateway over one in-process worker: no routing settings, and the worker
+# listens where serve puts it (its --host, --port and --metrics-port are the gateway's).
 SERVE_GATEWAY_EXCLUDES = ("workers", "load_factor", "status_interval", "dns_refresh")
+SERVE_WORKER_EXCLUDES = ("host", "port", "metrics_port", "worker_id")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -39,7 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_flags(serve, EngineConfig)
     add_flags(serve, GatewayConfig, exclude=SERVE_GATEWAY_EXCLUDES)
     add_flags(serve, StoreConfig)
-    add_flags(serve, WorkerConfig, only=("max_queue",))
+    add_flags(serve, WorkerConfig, exclude=SERVE_WORKER_EXCLUDES)
     serve.set_defaults(func=_run_async("serve"))
     apply_env(serve)
 

@@ -88,6 +88,7 @@ async def serve(args: argparse.Namespace) -> int:
     store = open_store(spec, base)
     engine = await asyncio.to_thread(build_engine, engine_config, store)
     registry = CollectorRegistry()
+    # SERVE_WORKER_EXCLUDES: where the in-process worker listens is serve's choice.
     worker_config = from_args(WorkerConfig, args, host="127.0.0.1", port=0, metrics_port=None,
                               worker_id="local")
     worker = WorkerServer(engine, worker_config, registry)

@@ -222,23 +222,29 @@ def check_env(args: argparse.Namespace) -> None:
         raise ValueError("; ".join(args.env_errors))
 
 
+def _doc_default(sf: SettingField) -> str:
+    text = sf.default_text()
+    return text if sf.setting.default_text or text == "none" else f"`{text}`"
+
+
 def flag_table(parsers: dict[str, argparse.ArgumentParser]) -> str:
-    """docs/service.md's table of the settings' flags of ``parsers`` (command -> parser)."""
+    """docs/service.md's table of the settings' flags of ``parsers`` (command -> parser): one
+    row per setting, its default per command where they differ."""
     rows: dict[str, tuple[SettingField, dict[str, str]]] = {}
     for command, parser in parsers.items():
         for action in parser._actions:
             sf = setting_of(action)
             if sf is not None:
-                rows.setdefault(sf.name, (sf, {}))[1][command] = sf.default_text()
-    lines = ["| flag | variable | default | commands | meaning |", "|---|---|---|---|---|"]
+                rows.setdefault(sf.name, (sf, {}))[1][command] = _doc_default(sf)
+    lines = ["| flag | variable | default | unit | commands | meaning |",
+             "|---|---|---|---|---|---|"]
     for sf, defaults in rows.values():
         flag = f"`{sf.flag}`"
         if sf.type is bool:
             flag += f" / `--no-{sf.flag[2:]}`"
         first = next(iter(defaults.values()))
-        default = f"`{first}`" + "".join(
-            f" ({command} `{text}`)" for command, text in defaults.items() if text != first)
-        meaning = sf.setting.doc + (f" ({sf.setting.unit})" if sf.setting.unit else "")
-        lines.append(f"| {flag} | `{sf.variable}` | {default} | {', '.join(defaults)} | "
-                     f"{meaning} |")
-    return "\n".join(lines)
+        default = first + "".join(
+            f" ({command} {text})" for command, text in defaults.items() if text != first)
+        lines.append(f"| {flag} | `{sf.variable}` | {default} | {sf.setting.unit} | "
+                     f"{', '.join(defaults)} | {sf.setting.doc} |")
+    return "\n".join(lines) + "\n"
