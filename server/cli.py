@@ -8,7 +8,7 @@ import sys
 import time
 
 from loraplex.server.config import EngineConfig
-from loraplex.server.settings import add_flags, from_args
+from loraplex.server.settings import add_flags, apply_env, check_env, from_args
 
 DEMO_PROMPTS = [
     "The quick brown fox",
@@ -33,6 +33,7 @@ def _run(args: argparse.Namespace) -> int:
     from loraplex.server.engine.llm import LLM
     from loraplex.server.engine.request import SamplingParams
 
+    check_env(args)
     llm = LLM(engine=None, **_engine_kwargs(engine_config_from_args(args)))
     prompts = args.prompt or DEMO_PROMPTS
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="offline: generate from a few prompts and print tokens/s")
     add_engine_args(run)
+    apply_env(run)
     run.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     run.add_argument("--max-tokens", type=int, default=32)
     run.add_argument("--temperature", type=float, default=0.0)

@@ -193,12 +193,13 @@ def from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
 
 
 def apply_env(parser: argparse.ArgumentParser) -> None:
-    """``LORAPLEX_<DEST>`` sets each flag's default. Typed values are converted by argparse
-    (so a bad number is a usage error); bad booleans and choices are collected in
-    ``args.env_errors`` and reported by ``check_env`` when the command runs."""
+    """``LORAPLEX_<NAME>`` sets the default of each setting's flag (other flags read no
+    variable). Typed values are converted by argparse (so a bad number is a usage error); bad
+    booleans and choices are collected in ``args.env_errors`` and reported by ``check_env``
+    when the command runs."""
     errors = []
     for action in parser._actions:
-        if not action.option_strings or action.dest in ("help", "func"):
+        if setting_of(action) is None:
             continue
         value = env.get(action.dest)
         if value is None:

@@ -129,3 +129,12 @@ def test_the_docs_flag_table_is_generated_from_the_fields() -> None:
     assert script.render(doc) == doc, "docs/service.md is stale: run scripts/flag_table.py"
     assert "| `--max-tokens-limit` | `LORAPLEX_MAX_TOKENS_LIMIT` | `32768` | tokens |" in doc
     assert "| `--port` | `LORAPLEX_PORT` | `50051` (worker `50061`) |  | serve, gateway, " in doc
+
+
+def test_only_settings_read_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    from loraplex.server.cli import build_parser
+
+    monkeypatch.setenv("LORAPLEX_MAX_NUM_SEQS", "3")
+    monkeypatch.setenv("LORAPLEX_MAX_TOKENS", "5")  # `run --max-tokens` is no setting
+    args = build_parser().parse_args(["run"])
+    assert (args.max_num_seqs, args.max_tokens) == (3, 32)
