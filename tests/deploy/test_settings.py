@@ -166,6 +166,8 @@ def test_every_field_has_a_helm_value(command: str) -> None:
     keys = set(_values_keys(command))
     unknown = keys - names
     assert not unknown, f"values.yaml keys that are no field of `loraplex {command}`: {unknown}"
+    spelled = {sf.name: sf.helm_key for sf in _settings(command) if sf.name in keys}
+    assert all(_values_keys(command)[name][-1] == key for name, key in spelled.items())
     missing = names - keys - CHART_MANAGED[command] - set(NOT_MAPPED[command])
     assert not missing, (f"fields of `loraplex {command}` with no Helm value: {missing}; add "
                          "them to values.yaml, values.schema.json and the chart's README")
