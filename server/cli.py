@@ -18,13 +18,8 @@ DEMO_PROMPTS = [
 ]
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``EngineConfig`` and its ``SchedulerConfig`` (``settings.add_flags``)."""
-    add_flags(parser, EngineConfig)
-
-
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The ``EngineConfig`` the flags of ``add_engine_args`` ask for."""
+    """The ``EngineConfig`` the flags of ``add_flags(parser, EngineConfig)`` ask for."""
     config: EngineConfig = from_args(EngineConfig, args)
     return config
 
@@ -63,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="offline: generate from a few prompts and print tokens/s")
-    add_engine_args(run)
+    add_flags(run, EngineConfig)
     apply_env(run)
     run.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     run.add_argument("--max-tokens", type=int, default=32)
