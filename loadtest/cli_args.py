@@ -196,8 +196,7 @@ def make_target(args: argparse.Namespace, system: str, adapters: AdapterSet) -> 
     if system == "loraplex":
         return GrpcTarget(args.address, adapters, upload=not args.no_upload)
     if system == "loraplex-engine":
-        from loraplex.server.cli import parse_tenant_weights
-        from loraplex.server.config import EngineConfig, SchedulerConfig
+        from loraplex.server.config import EngineConfig, SchedulerConfig, parse_tenant_weights
 
         sched = SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                 max_num_batched_tokens=args.max_num_batched_tokens,

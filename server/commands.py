@@ -1,9 +1,10 @@
 """``loraplex serve | gateway | worker | generate | demo-adapter``, and ``--server`` for
 ``loraplex adapters push``.
 
-Every flag of ``serve``, ``gateway`` and ``worker`` (engine flags included) also reads its
-default from ``LORAPLEX_<FLAG>``: ``--max-num-seqs`` <-> ``LORAPLEX_MAX_NUM_SEQS``; a flag on
-the command line wins. docs/service.md has the table.
+Every flag of ``serve``, ``gateway`` and ``worker`` is a field of a config dataclass
+(``server/config.py``) and also reads its default from ``LORAPLEX_<FIELD>``:
+``--max-num-seqs`` <-> ``LORAPLEX_MAX_NUM_SEQS``; a flag on the command line wins.
+docs/service.md has the table (generated: ``scripts/flag_table.py``).
 """
 
 from __future__ import annotations
@@ -17,70 +18,49 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.server import env
+from loraplex.server.settings import add_flags, apply_env, check_env
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
 DEFAULT_SERVER = "127.0.0.1:50051"
 
 
+# ``serve`` runs one gateway over one in-process worker: no routing settings, and the worker
+# listens where serve puts it (its --host, --port and --metrics-port are the gateway's).
+SERVE_GATEWAY_EXCLUDES = ("workers", "load_factor", "status_interval", "dns_refresh")
+SERVE_WORKER_EXCLUDES = ("host", "port", "metrics_port", "worker_id")
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the service commands to the ``loraplex`` parser."""
-    from loraplex.server.cli import add_engine_args
+    """Add the service commands to the ``loraplex`` parser. The server commands' flags come
+    from the config dataclasses' fields (``settings.add_flags``)."""
+    from loraplex.server.config import EngineConfig, GatewayConfig, StoreConfig, WorkerConfig
 
     serve = subparsers.add_parser(
         "serve", help="gateway and one worker in one process (demo model by default)",
         description="Serve the public API on --host:--port with one in-process worker.")
-    add_engine_args(serve)
-    _add_listen_args(serve, port=50051, metrics_port=9400)
-    _add_tls_args(serve)
-    _add_store_arg(serve)
-    _add_key_args(serve)
-    _add_limit_args(serve, with_rank=False)
-    _add_quota_args(serve)
-    serve.add_argument("--max-queue", type=int, default=256,
-                       help="requests waiting in the worker at most (RESOURCE_EXHAUSTED beyond)")
-    _add_drain_arg(serve)
+    # The engine's first: its --model and --max-rank are also the gateway's.
+    add_flags(serve, EngineConfig)
+    add_flags(serve, GatewayConfig, exclude=SERVE_GATEWAY_EXCLUDES)
+    add_flags(serve, StoreConfig)
+    add_flags(serve, WorkerConfig, exclude=SERVE_WORKER_EXCLUDES)
     serve.set_defaults(func=_run_async("serve"))
-    _apply_env(serve)
+    apply_env(serve)
 
     gateway = subparsers.add_parser(
         "gateway", help="the public API in front of workers",
         description="Route the public API to workers with adapter affinity.")
-    _add_listen_args(gateway, port=50051, metrics_port=9400)
-    _add_tls_args(gateway)
-    gateway.add_argument("--workers", default="",
-                         help="HOST:PORT,... or a DNS name resolving to many (headless service)")
-    gateway.add_argument("--model", default="demo",
-                         help="the base model (a directory with config.json, or 'demo') that "
-                              "uploaded adapters must fit")
-    _add_store_arg(gateway)
-    _add_key_args(gateway)
-    _add_limit_args(gateway, with_rank=True)
-    _add_quota_args(gateway)
-    gateway.add_argument("--load-factor", type=float, default=1.25,
-                         help="a worker's load may exceed the mean by this factor before "
-                              "requests for its adapters spill to others (>= 1)")
-    gateway.add_argument("--status-interval", type=float, default=0.2,
-                         help="seconds between Status polls of each worker (<= 0.25)")
-    gateway.add_argument("--dns-refresh", type=float, default=5.0,
-                         help="seconds between DNS lookups of worker names")
-    _add_drain_arg(gateway)
+    add_flags(gateway, GatewayConfig)
+    add_flags(gateway, StoreConfig)
     gateway.set_defaults(func=_run_async("gateway"))
-    _apply_env(gateway)
+    apply_env(gateway)
 
     worker = subparsers.add_parser(
         "worker", help="one engine behind the internal Worker API",
         description="Serve the internal Worker API for gateways.")
-    add_engine_args(worker)
-    _add_listen_args(worker, port=50061, metrics_port=9401)
-    _add_store_arg(worker)
-    worker.add_argument("--max-queue", type=int, default=256,
-                        help="requests waiting at most (RESOURCE_EXHAUSTED beyond)")
-    worker.add_argument("--worker-id", default="", help="name in Status and logs "
-                        "(default hostname:port)")
-    _add_drain_arg(worker)
+    add_flags(worker, WorkerConfig)
+    add_flags(worker, StoreConfig)
+    add_flags(worker, EngineConfig)
     worker.set_defaults(func=_run_async("worker"))
-    _apply_env(worker)
+    apply_env(worker)
 
     generate = subparsers.add_parser(
         "generate", help="stream a completion from a server to the terminal")
@@ -112,22 +92,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 # -- flags ----------------------------------------------------------------------------------------
-def _add_listen_args(parser: argparse.ArgumentParser, port: int, metrics_port: int) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=port, help="gRPC port (0: any free port)")
-    parser.add_argument("--metrics-port", type=int, default=metrics_port,
-                        help="Prometheus /metrics port (0: any free port, -1: none)")
-
-
-def _add_tls_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tls-cert-file", default=None, metavar="PEM",
-                        help="serve TLS with this certificate chain (and --tls-key-file)")
-    parser.add_argument("--tls-key-file", default=None, metavar="PEM",
-                        help="the certificate's private key")
-    parser.add_argument("--tls-client-ca-file", default=None, metavar="PEM",
-                        help="require client certificates signed by this CA (mutual TLS)")
-
-
 def add_client_tls_args(parser: argparse.ArgumentParser) -> None:
     """TLS flags of the commands that call a gateway (each also read from the environment
     by ``Client``)."""
@@ -150,83 +114,10 @@ def client_tls(args: argparse.Namespace) -> dict[str, Any]:
             "client_cert_file": args.client_cert_file, "client_key_file": args.client_key_file}
 
 
-def _add_store_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--store", default="", help="fs:PATH, redis://... or rediss://... "
-                        "(default fs:$LORAPLEX_DATA_DIR/store)")
-
-
-def _add_key_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--api-keys", default=None, metavar="FILE",
-                        help="API key file: 'SHA256 TENANT [admin]' per line, re-read on "
-                             "change and SIGHUP (none: keyless, localhost only)")
-    parser.add_argument("--api-key-hashes", default=None, metavar="ENTRIES",
-                        help="key entries given inline, separated by ';' or newlines")
-    parser.add_argument("--allow-unauthenticated", action="store_true",
-                        help="serve a non-loopback address without API keys")
-
-
-def _add_limit_args(parser: argparse.ArgumentParser, with_rank: bool) -> None:
-    parser.add_argument("--max-prompt-bytes", type=int, default=1 << 20)
-    parser.add_argument("--max-prompt-tokens", type=int, default=1 << 17)
-    parser.add_argument("--max-tokens-limit", type=int, default=32768,
-                        help="the largest max_tokens a request may ask for")
-    parser.add_argument("--max-upload-bytes", type=int, default=2 << 30,
-                        help="the largest adapter weights file accepted")
-    if with_rank:
-        parser.add_argument("--max-rank", type=int, default=64,
-                            help="the largest adapter rank accepted")
-
-
-def _add_quota_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tenant-max-concurrency", type=int, default=0,
-                        help="requests in flight per tenant (0: unlimited); API key entries "
-                             "may override it per tenant (max_concurrency=N)")
-    parser.add_argument("--tenant-tokens-per-minute", type=int, default=0,
-                        help="prompt + completion tokens per tenant per minute (0: unlimited); "
-                             "API key entries may override it (tokens_per_minute=N)")
-    parser.add_argument("--quota-lease-seconds", type=float, default=15.0,
-                        help="with a Redis store: how long a crashed gateway's quota slots "
-                             "stay taken, at most")
-
-
-def _add_drain_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--drain-grace", type=float, default=30.0,
-                        help="seconds in-flight requests may finish after SIGTERM")
-
-
-def _apply_env(parser: argparse.ArgumentParser) -> None:
-    """``LORAPLEX_<DEST>`` sets each flag's default. Typed values are converted by argparse
-    (so a bad number is a usage error); bad booleans and choices are reported when the
-    command runs."""
-    errors = []
-    for action in parser._actions:
-        if not action.option_strings or action.dest in ("help", "func"):
-            continue
-        value = env.get(action.dest)
-        if value is None:
-            continue
-        name = f"LORAPLEX_{action.dest.upper()}"
-        if action.nargs == 0:
-            if value.lower() in _TRUE + _FALSE:
-                action.default = value.lower() in _TRUE
-            else:
-                errors.append(f"{name}: {value!r} is not true or false")
-        elif action.choices is not None and value not in action.choices:
-            errors.append(f"{name}: {value!r} is not one of {sorted(action.choices)}")
-        else:
-            action.default = value
-    parser.set_defaults(env_errors=errors)
-
-
-def _check_env(args: argparse.Namespace) -> None:
-    if getattr(args, "env_errors", None):
-        raise ValueError("; ".join(args.env_errors))
-
-
 def _run_async(command: str) -> Callable[[argparse.Namespace], int]:
     """The ``func`` of a server command: ``launch.<command>(args)`` on a fresh event loop."""
     def run(args: argparse.Namespace) -> int:
-        _check_env(args)
+        check_env(args)
         from loraplex.server import launch
 
         return asyncio.run(getattr(launch, command)(args))

@@ -1,41 +1,77 @@
-"""Frozen, validated configuration of each component. CLI flags, ``LORAPLEX_*`` variables and
-Helm values map one-to-one onto these fields."""
+"""Frozen, validated configuration of each component: the one source of every setting.
+
+Each field is a ``setting`` with its doc line (``server/settings.py``): its CLI flag, its
+``LORAPLEX_*`` variable, its Helm value, its help line and its row in docs/service.md all come
+from it. This module imports nothing heavy, so ``loraplex --help`` and the client stay light.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from loraplex.server.settings import setting
+
+if TYPE_CHECKING:
+    from loraplex.server.quota import TenantLimits
+    from loraplex.server.tls import ServerTls
 
 KERNEL_CHOICES = ("auto", "torch", "triton")
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 
 
+def parse_tenant_weights(text: str | tuple) -> tuple[tuple[str, float], ...]:
+    """``"a=2,b=0.5"`` -> ``(("a", 2.0), ("b", 0.5))``; ``ValueError`` names a bad pair."""
+    if not isinstance(text, str):
+        return tuple(text)
+    pairs = []
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        tenant, sep, weight = item.partition("=")
+        try:
+            value = float(weight)
+        except ValueError:
+            value = float("nan")
+        if not sep or not tenant or not value > 0:
+            raise ValueError(f"tenant_weights: {item!r} is not tenant=positive-number")
+        pairs.append((tenant, value))
+    return tuple(pairs)
+
+
+def parse_list(text: str | tuple) -> tuple[str, ...]:
+    """``"a:1, b:2"`` -> ``("a:1", "b:2")``."""
+    if not isinstance(text, str):
+        return tuple(text)
+    return tuple(item.strip() for item in text.split(",") if item.strip())
+
+
+def optional_port(port: int | None) -> int | None:
+    """The command line's port for "none": any negative number."""
+    return None if port is None or port < 0 else port
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Continuous batching limits.
+    """Continuous batching limits."""
 
-    Attributes:
-        page_size: tokens per KV page.
-        max_num_seqs: requests running at once at most.
-        max_num_batched_tokens: tokens computed per step at most (decodes plus prefill chunks).
-        long_prefill_token_threshold: most prompt tokens one request computes per step
-            (0: only the step budget limits it).
-        max_adapters_per_step: distinct adapters among running requests at most (0: no cap);
-            a request for another adapter waits, without blocking those behind it.
-        scheduling: ``fcfs`` (arrival order) or ``vtc`` (fair across tenants: the Virtual
-            Token Counter admits the backlogged tenant that has been served least).
-        vtc_input_weight / vtc_output_weight: cost of a prompt / an output token under vtc.
-        tenant_weights: (tenant, weight) pairs; a tenant of weight 2 gets twice the service.
-    """
-
-    page_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    long_prefill_token_threshold: int = 0
-    max_adapters_per_step: int = 0
-    scheduling: str = "fcfs"
-    vtc_input_weight: float = 1.0
-    vtc_output_weight: float = 2.0
-    tenant_weights: tuple[tuple[str, float], ...] = ()
+    page_size: int = setting(16, "tokens per KV page", unit="tokens")
+    max_num_seqs: int = setting(256, "requests running at once, at most", unit="requests")
+    max_num_batched_tokens: int = setting(
+        2048, "tokens computed per engine step, at most (decodes plus prefill chunks)",
+        unit="tokens")
+    long_prefill_token_threshold: int = setting(
+        0, "most prompt tokens one request computes per step (0: only the step budget)",
+        unit="tokens")
+    max_adapters_per_step: int = setting(
+        0, "distinct adapters among running requests, at most (0: no cap); a request for "
+        "another adapter waits without blocking those behind it", unit="adapters")
+    scheduling: str = setting(
+        "fcfs", "admission order: fcfs (arrival) or vtc (fair across tenants: the Virtual "
+        "Token Counter admits the backlogged tenant served least)", choices=("fcfs", "vtc"))
+    vtc_input_weight: float = setting(1.0, "VTC cost of a prompt token")
+    vtc_output_weight: float = setting(2.0, "VTC cost of a generated token")
+    tenant_weights: tuple[tuple[str, float], ...] = setting(
+        (), "tenant=weight pairs, comma-separated (vtc): a tenant of weight 2 gets twice "
+        "the service", parse=parse_tenant_weights, flag_default="", metavar="TENANT=W,...")
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -57,41 +93,34 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """One worker's engine.
+    """One worker's engine (its scheduler's settings are flags of the same commands)."""
 
-    Attributes:
-        model: a Hugging Face model directory, or ``"demo"``.
-        dtype: ``float32 | bfloat16 | float16``.
-        device: ``cpu``, ``cuda`` or ``cuda:N``.
-        num_pages: pages in the unified pool; None sizes it from ``pool_memory_bytes`` (CPU)
-            or ``gpu_memory_utilization`` (CUDA).
-        pool_memory_bytes: pool size on CPU when ``num_pages`` is None.
-        gpu_memory_utilization: fraction of free GPU memory the pool may take.
-        max_model_len: context length served (None: the model's).
-        kernels: ``auto`` (Triton on CUDA, torch on CPU), ``torch`` or ``triton``.
-        max_rank: largest adapter rank served.
-        host_cache_bytes: CPU memory for decoded adapters (LRU by bytes).
-        enable_prefix_caching: reuse full KV pages of earlier requests with the same prefix
-            (same base model, adapter and tenant).
-        share_prefix_across_tenants: one cache scope for every tenant (public system prompts);
-            off by default, so tenants never share pages.
-        seed: seeds requests that bring no seed of their own.
-    """
-
-    model: str = "demo"
-    dtype: str = "float32"
-    device: str = "cpu"
+    model: str = setting("demo", "the base model: a Hugging Face directory, or demo (a small "
+                         "random-weight model for tests)")
+    dtype: str = setting("float32", "weights and activations dtype", choices=DTYPE_CHOICES)
+    device: str = setting("cpu", "cpu, cuda or cuda:N")
     scheduler: SchedulerConfig = SchedulerConfig()
-    num_pages: int | None = None
-    pool_memory_bytes: int = 1 << 30
-    gpu_memory_utilization: float = 0.85
-    max_model_len: int | None = None
-    kernels: str = "auto"
-    max_rank: int = 64
-    host_cache_bytes: int = 4 << 30
-    enable_prefix_caching: bool = True
-    share_prefix_across_tenants: bool = False
-    seed: int = 0
+    num_pages: int | None = setting(
+        None, "pages in the unified pool (KV and adapters)", unit="pages",
+        default_text="sized from pool_memory_bytes on CPU, gpu_memory_utilization on CUDA")
+    pool_memory_bytes: int = setting(1 << 30, "pool size on CPU when num_pages is unset",
+                                     unit="bytes")
+    gpu_memory_utilization: float = setting(
+        0.85, "fraction of free GPU memory the pool may take, in (0, 1]")
+    max_model_len: int | None = setting(None, "context length served", unit="tokens",
+                                        default_text="the model's")
+    kernels: str = setting("auto", "auto (Triton on CUDA, torch on CPU), torch or triton",
+                           choices=KERNEL_CHOICES)
+    max_rank: int = setting(64, "the largest adapter rank served (and accepted for upload)")
+    host_cache_bytes: int = setting(4 << 30, "CPU memory for decoded adapters (LRU)",
+                                    unit="bytes")
+    enable_prefix_caching: bool = setting(
+        True, "reuse full KV pages of earlier requests with the same prefix (same base "
+        "model, adapter and tenant)")
+    share_prefix_across_tenants: bool = setting(
+        False, "one prefix cache scope for every tenant (public system prompts); off, "
+        "tenants never share pages")
+    seed: int = setting(0, "seeds requests that bring no seed of their own")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -116,3 +145,131 @@ class EngineConfig:
     @property
     def page_size(self) -> int:
         return self.scheduler.page_size
+
+
+def _check_ports(config: object) -> None:
+    for name in ("port", "metrics_port"):
+        value = getattr(config, name)
+        if value is not None and not 0 <= value < 65536:
+            raise ValueError(f"{name}: must be in [0, 65535], got {value}")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Where adapters live (``adapter_store.store.open_store``)."""
+
+    store: str = setting("", "the adapter store: fs:PATH, redis://[user:password@]host:port/db "
+                         "or rediss://...", default_text="fs:$LORAPLEX_DATA_DIR/store",
+                         metavar="SPEC")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One worker server (``loraplex worker``; the engine has its own config)."""
+
+    host: str = setting("127.0.0.1", "address to listen on (0.0.0.0 in a cluster)")
+    port: int = setting(50061, "gRPC port (0: any free port)")
+    metrics_port: int | None = setting(
+        None, "Prometheus /metrics port (0: any free port, -1: none)", parse=optional_port,
+        flag_default=9401)
+    max_queue: int = setting(256, "requests admitted but not running, at most "
+                             "(RESOURCE_EXHAUSTED beyond)", unit="requests")
+    drain_grace: float = setting(30.0, "how long running requests may finish after SIGTERM",
+                                 unit="seconds")
+    worker_id: str = setting("", "the name in Status and logs", default_text="hostname:port")
+
+    def __post_init__(self) -> None:
+        _check_ports(self)
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue: must be >= 1, got {self.max_queue}")
+        if self.drain_grace < 0:
+            raise ValueError("drain_grace: must be >= 0")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """One gateway (``loraplex gateway``; ``serve`` runs one with an in-process worker)."""
+
+    host: str = setting("127.0.0.1", "address to listen on (0.0.0.0 in a cluster)")
+    port: int = setting(50051, "gRPC port (0: any free port)")
+    metrics_port: int | None = setting(
+        None, "Prometheus /metrics port (0: any free port, -1: none)", parse=optional_port,
+        flag_default=9400)
+    workers: tuple[str, ...] = setting(
+        (), "the workers: HOST:PORT,..., or a DNS name resolving to many (a headless "
+        "Service)", parse=parse_list, flag_default="", default_text="(required)",
+        metavar="HOST:PORT,...")
+    model: str = setting("demo", "the base model (a directory with config.json, or demo) "
+                         "that uploaded adapters must fit")
+    load_factor: float = setting(
+        1.25, "a worker takes a request while its load stays within this factor of the mean "
+        "(>= 1); beyond it requests for its adapters spill to others")
+    status_interval: float = setting(0.2, "how often each worker's Status is polled (<= 0.25)",
+                                     unit="seconds")
+    dns_refresh: float = setting(5.0, "how often worker DNS names are re-resolved",
+                                 unit="seconds")
+    drain_grace: float = setting(30.0, "how long in-flight requests may finish after SIGTERM",
+                                 unit="seconds")
+    api_keys: str | None = setting(
+        None, "API key file: SHA256 TENANT [admin] per line, re-read on change and SIGHUP",
+        default_text="none (keyless, loopback only)", metavar="FILE")
+    api_key_hashes: str | None = setting(
+        None, "the same key entries inline, separated by ; or newlines", metavar="ENTRIES")
+    allow_unauthenticated: bool = setting(
+        False, "serve a non-loopback address without API keys")
+    tls_cert_file: str | None = setting(
+        None, "serve TLS with this PEM certificate chain (and tls_key_file)",
+        default_text="none (plaintext)", metavar="PEM")
+    tls_key_file: str | None = setting(
+        None, "the certificate's PEM private key (checked against it at start)", metavar="PEM")
+    tls_client_ca_file: str | None = setting(
+        None, "require client certificates signed by this CA (mutual TLS)", metavar="PEM")
+    max_prompt_bytes: int = setting(1 << 20, "the largest text prompt (UTF-8)", unit="bytes")
+    max_prompt_tokens: int = setting(1 << 17, "the most prompt token ids", unit="tokens")
+    max_tokens_limit: int = setting(32768, "the largest max_tokens a request may ask for",
+                                    unit="tokens")
+    max_upload_bytes: int = setting(2 << 30, "the largest uploaded adapter weights file",
+                                    unit="bytes")
+    max_rank: int = setting(64, "the largest adapter rank accepted for upload")
+    tenant_max_concurrency: int = setting(
+        0, "requests in flight per tenant (0: unlimited); API key entries may override it "
+        "(max_concurrency=N)", unit="requests")
+    tenant_tokens_per_minute: int = setting(
+        0, "prompt + completion tokens per tenant per minute (0: unlimited); API key entries "
+        "may override it (tokens_per_minute=N)", unit="tokens")
+    quota_lease_seconds: float = setting(
+        15.0, "with a Redis store: how long a crashed gateway's quota slots stay taken, at "
+        "most", unit="seconds")
+
+    def __post_init__(self) -> None:
+        _check_ports(self)
+        if not self.load_factor >= 1.0:
+            raise ValueError(f"load_factor: must be >= 1, got {self.load_factor}")
+        if not 0 < self.status_interval <= 0.25:
+            raise ValueError("status_interval: must be in (0, 0.25]")
+        if self.dns_refresh <= 0 or self.drain_grace < 0:
+            raise ValueError("dns_refresh must be > 0, drain_grace >= 0")
+        for name in ("max_prompt_bytes", "max_prompt_tokens", "max_tokens_limit",
+                     "max_upload_bytes", "max_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1")
+        for name in ("tenant_max_concurrency", "tenant_tokens_per_minute"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0 (0: unlimited)")
+        if not self.quota_lease_seconds > 0:
+            raise ValueError("quota_lease_seconds: must be > 0")
+        self.tls  # noqa: B018 (both of cert and key, or neither)
+
+    @property
+    def tls(self) -> ServerTls | None:
+        """The gateway's TLS certificate and key (None: plaintext; see ``tls.py``)."""
+        from loraplex.server.tls import server_tls
+
+        return server_tls(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+
+    @property
+    def tenant_limits(self) -> TenantLimits:
+        """Every tenant's quota before API key overrides."""
+        from loraplex.server.quota import TenantLimits
+
+        return TenantLimits(self.tenant_max_concurrency, self.tenant_tokens_per_minute)

@@ -30,7 +30,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -50,19 +50,13 @@ from loraplex.server.api import (
     WorkerRequest,
 )
 from loraplex.server.auth import KeyRing
+from loraplex.server.config import GatewayConfig
 from loraplex.server.engine.models.config import ModelConfig
 from loraplex.server.gateway_adapters import AdaptersService, UploadLimits
 from loraplex.server.gateway_pool import WorkerPool
 from loraplex.server.metrics import GatewayMetrics, MetricsServer, StreamTimer
-from loraplex.server.quota import (
-    LocalQuotaBackend,
-    QuotaBackend,
-    Quotas,
-    TenantLimits,
-    Ticket,
-)
+from loraplex.server.quota import LocalQuotaBackend, QuotaBackend, Quotas, Ticket
 from loraplex.server.quote import quote
-from loraplex.server.tls import ServerTls
 from loraplex.server.worker import format_address, grpc_server_options
 
 logger = logging.getLogger(__name__)
@@ -76,75 +70,6 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 # error: the worker is gone.
 BROKEN_STREAM = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
                  grpc.StatusCode.UNKNOWN)
-
-
-@dataclass(frozen=True)
-class GatewayConfig:
-    """One gateway (flags of ``loraplex gateway``).
-
-    Attributes:
-        host / port: where to listen (port 0: any free port).
-        metrics_port: Prometheus ``/metrics`` port (None: none; 0: any free port).
-        workers: ``HOST:PORT`` of each worker, or a DNS name resolving to many.
-        load_factor: a worker takes a request only while its load stays within this factor
-            of the mean (>= 1; see ``router.py``).
-        status_interval_seconds: how often each worker's Status is polled (<= 0.25).
-        dns_refresh_seconds: how often worker DNS names are re-resolved.
-        drain_grace_seconds: how long in-flight requests may finish after SIGTERM.
-        max_prompt_bytes / max_prompt_tokens / max_tokens: per-request bounds.
-        max_upload_bytes / max_rank: bounds on uploaded adapters.
-        allow_unauthenticated: serve without API keys on a non-loopback address.
-        tenant_max_concurrency / tenant_tokens_per_minute: every tenant's quota unless its
-            API key entries override it (0: unlimited; see ``quota.py``).
-        quota_lease_seconds: how long a Redis-held concurrency slot outlives its gateway's
-            last refresh (what a crashed gateway can leak, at most).
-        tls: serve TLS with this certificate and key (None: plaintext; see ``tls.py``).
-    """
-
-    host: str = "127.0.0.1"
-    port: int = 50051
-    metrics_port: int | None = None
-    workers: tuple[str, ...] = ()
-    load_factor: float = 1.25
-    status_interval_seconds: float = 0.2
-    dns_refresh_seconds: float = 5.0
-    drain_grace_seconds: float = 30.0
-    max_prompt_bytes: int = 1 << 20
-    max_prompt_tokens: int = 1 << 17
-    max_tokens: int = 32768
-    max_upload_bytes: int = 2 << 30
-    max_rank: int = 64
-    allow_unauthenticated: bool = False
-    tenant_max_concurrency: int = 0
-    tenant_tokens_per_minute: int = 0
-    quota_lease_seconds: float = 15.0
-    tls: ServerTls | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("port", "metrics_port"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value < 65536:
-                raise ValueError(f"{name}: must be in [0, 65535], got {value}")
-        if not self.load_factor >= 1.0:
-            raise ValueError(f"load_factor: must be >= 1, got {self.load_factor}")
-        if not 0 < self.status_interval_seconds <= 0.25:
-            raise ValueError("status_interval_seconds: must be in (0, 0.25]")
-        if self.dns_refresh_seconds <= 0 or self.drain_grace_seconds < 0:
-            raise ValueError("dns_refresh_seconds must be > 0, drain_grace_seconds >= 0")
-        for name in ("max_prompt_bytes", "max_prompt_tokens", "max_tokens",
-                     "max_upload_bytes", "max_rank"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1")
-        for name in ("tenant_max_concurrency", "tenant_tokens_per_minute"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: must be >= 0 (0: unlimited)")
-        if not self.quota_lease_seconds > 0:
-            raise ValueError("quota_lease_seconds: must be > 0")
-
-    @property
-    def tenant_limits(self) -> TenantLimits:
-        """Every tenant's quota before API key overrides."""
-        return TenantLimits(self.tenant_max_concurrency, self.tenant_tokens_per_minute)
 
 
 def check_bounds(request: GenerateRequest, config: GatewayConfig) -> None:
@@ -171,8 +96,9 @@ def check_bounds(request: GenerateRequest, config: GatewayConfig) -> None:
             raise bad(f"prompt: {len(prompt)} token ids, over the limit of "
                       f"{config.max_prompt_tokens}")
     params = request.params
-    if params.max_tokens > config.max_tokens:
-        raise bad(f"max_tokens: {params.max_tokens}, over the limit of {config.max_tokens}")
+    if params.max_tokens > config.max_tokens_limit:
+        raise bad(f"max_tokens: {params.max_tokens}, over the limit of "
+                  f"{config.max_tokens_limit}")
     if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise bad(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}")
     if len(request.request_id) > MAX_REQUEST_ID_CHARS or not request.request_id.isprintable():
@@ -400,8 +326,8 @@ class Gateway:
         self.store = store
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry)
-        self.pool = WorkerPool(config.workers, self.metrics, config.status_interval_seconds,
-                               config.dns_refresh_seconds, config.load_factor,
+        self.pool = WorkerPool(config.workers, self.metrics, config.status_interval,
+                               config.dns_refresh, config.load_factor,
                                on_change=self._workers_changed)
         self.quotas = Quotas(config.tenant_limits, keys.tenant_limits,
                              quota_backend or LocalQuotaBackend(), self._quota_refused)
@@ -472,7 +398,7 @@ class Gateway:
     async def drain(self, grace_seconds: float | None = None) -> None:
         """SIGTERM: NOT_SERVING, refuse new requests, let in-flight ones finish within the
         grace period, then stop (whatever is left is cancelled)."""
-        grace = self.config.drain_grace_seconds if grace_seconds is None else grace_seconds
+        grace = self.config.drain_grace if grace_seconds is None else grace_seconds
         logger.info("gateway draining (grace %.1f s, %d in flight)", grace,
                     self.generation.num_active)
         self.generation.draining = True

@@ -172,20 +172,20 @@ class WorkerPool:
 
     Args:
         targets: ``HOST:PORT`` entries; a host name may resolve to many addresses (one worker
-            each), re-resolved every ``dns_refresh_seconds``.
+            each), re-resolved every ``dns_refresh``.
         status_interval: seconds between ``Status`` polls of each worker.
         on_change: called (on the event loop) when a worker comes up or goes down.
     """
 
     def __init__(self, targets: Sequence[str], metrics: GatewayMetrics,
-                 status_interval: float = 0.2, dns_refresh_seconds: float = 5.0,
+                 status_interval: float = 0.2, dns_refresh: float = 5.0,
                  load_factor: float = 1.25, on_change: Callable[[], None] | None = None) -> None:
         self.targets = [split_target(t) for t in targets]
         if not self.targets:
             raise ValueError("workers: at least one HOST:PORT is needed")
         self.metrics = metrics
         self.status_interval = status_interval
-        self.dns_refresh_seconds = dns_refresh_seconds
+        self.dns_refresh = dns_refresh
         self.load_factor = load_factor
         self._on_change = on_change or (lambda: None)
         self._handles: dict[str, WorkerHandle] = {}
@@ -278,7 +278,7 @@ class WorkerPool:
 
     async def _dns_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.dns_refresh_seconds)
+            await asyncio.sleep(self.dns_refresh)
             try:
                 await self._refresh()
             except Exception:

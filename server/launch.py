@@ -12,23 +12,22 @@ import signal
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
+from loraplex.server.settings import from_args
+
 if TYPE_CHECKING:
     from loraplex.server.auth import KeyRing
-    from loraplex.server.gateway import GatewayConfig
+    from loraplex.server.config import GatewayConfig
 
 logger = logging.getLogger(__name__)
 
 EXAMPLE_PROMPT = "Once upon a time"
 
 
-def _metrics_port(args: argparse.Namespace) -> int | None:
-    return None if args.metrics_port < 0 else args.metrics_port
-
-
 def _store_spec(args: argparse.Namespace) -> str:
     from loraplex.adapter_store.cli import default_store
+    from loraplex.server.config import StoreConfig
 
-    return args.store or default_store()
+    return from_args(StoreConfig, args).store or default_store()
 
 
 def _on_signals(drain: Callable[[], Coroutine[Any, Any, None]],
@@ -52,30 +51,17 @@ def _on_signals(drain: Callable[[], Coroutine[Any, Any, None]],
         loop.add_signal_handler(signal.SIGHUP, reload_keys)
 
 
-def _key_ring(args: argparse.Namespace) -> KeyRing:
+def _key_ring(config: GatewayConfig) -> KeyRing:
     from loraplex.server.auth import KeyRing
 
-    return KeyRing(path=args.api_keys, text=args.api_key_hashes)
+    return KeyRing(path=config.api_keys, text=config.api_key_hashes)
 
 
-def _gateway_config(args: argparse.Namespace, workers: tuple[str, ...], max_rank: int,
-                    metrics_port: int | None) -> GatewayConfig:
-    from loraplex.server.gateway import GatewayConfig
-    from loraplex.server.tls import server_tls
+def _gateway_config(args: argparse.Namespace, **overrides: Any) -> GatewayConfig:
+    from loraplex.server.config import GatewayConfig
 
-    return GatewayConfig(
-        host=args.host, port=args.port, metrics_port=metrics_port, workers=workers,
-        load_factor=getattr(args, "load_factor", 1.25),
-        status_interval_seconds=getattr(args, "status_interval", 0.2),
-        dns_refresh_seconds=getattr(args, "dns_refresh", 5.0),
-        drain_grace_seconds=args.drain_grace, max_prompt_bytes=args.max_prompt_bytes,
-        max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens_limit,
-        max_upload_bytes=args.max_upload_bytes, max_rank=max_rank,
-        allow_unauthenticated=args.allow_unauthenticated,
-        tenant_max_concurrency=args.tenant_max_concurrency,
-        tenant_tokens_per_minute=args.tenant_tokens_per_minute,
-        quota_lease_seconds=args.quota_lease_seconds,
-        tls=server_tls(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file))
+    config: GatewayConfig = from_args(GatewayConfig, args, **overrides)
+    return config
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -83,16 +69,17 @@ async def serve(args: argparse.Namespace) -> int:
 
     from loraplex.adapter_store.store import open_store
     from loraplex.server.cli import engine_config_from_args
+    from loraplex.server.config import WorkerConfig
     from loraplex.server.engine.engine import resolve_model_path
     from loraplex.server.engine.models.config import ModelConfig
     from loraplex.server.gateway import Gateway, check_exposure
     from loraplex.server.metrics import MetricsServer
     from loraplex.server.quota import open_quota_backend
-    from loraplex.server.worker import WorkerConfig, WorkerServer, build_engine
+    from loraplex.server.worker import WorkerServer, build_engine
 
     engine_config = engine_config_from_args(args)
-    keys = _key_ring(args)
-    early = _gateway_config(args, ("-",), engine_config.max_rank, None)
+    early = _gateway_config(args, workers=("-",))
+    keys = _key_ring(early)
     check_exposure(early, keys)
     if early.tls is not None:
         early.tls.credentials()  # bad TLS files fail now, not after the engine is built
@@ -101,19 +88,19 @@ async def serve(args: argparse.Namespace) -> int:
     store = open_store(spec, base)
     engine = await asyncio.to_thread(build_engine, engine_config, store)
     registry = CollectorRegistry()
-    worker = WorkerServer(engine, WorkerConfig(host="127.0.0.1", port=0,
-                                               max_queue=args.max_queue,
-                                               drain_grace_seconds=args.drain_grace,
-                                               worker_id="local"), registry)
+    # SERVE_WORKER_EXCLUDES: where the in-process worker listens is serve's choice.
+    worker_config = from_args(WorkerConfig, args, host="127.0.0.1", port=0, metrics_port=None,
+                              worker_id="local")
+    worker = WorkerServer(engine, worker_config, registry)
     await worker.start()
     # One /metrics server for the gateway and the worker together (one registry).
-    config = _gateway_config(args, (worker.address,), engine_config.max_rank, None)
+    config = _gateway_config(args, workers=(worker.address,), metrics_port=None)
     gateway = Gateway(config, store, base, keys, registry,
                       open_quota_backend(spec, config.quota_lease_seconds))
     await gateway.start(wait_for_workers=10.0)
     metrics = None
-    if _metrics_port(args) is not None:
-        metrics = MetricsServer(registry, args.host, _metrics_port(args) or 0)
+    if early.metrics_port is not None:
+        metrics = MetricsServer(registry, config.host, early.metrics_port)
 
     async def drain() -> None:
         await asyncio.gather(gateway.drain(), worker.drain())
@@ -124,7 +111,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     _on_signals(drain, stop, keys.reload)
     _print_ready(gateway.address, engine_config.model, spec, keys.keyless,
-                 metrics.port if metrics else None, args.host, config.tls is not None)
+                 metrics.port if metrics else None, config.host, config.tls is not None)
     try:
         await gateway.wait()
         await worker.wait()
@@ -168,20 +155,19 @@ async def gateway(args: argparse.Namespace) -> int:
     from loraplex.server.gateway import Gateway
     from loraplex.server.quota import open_quota_backend
 
-    workers = tuple(w.strip() for w in args.workers.split(",") if w.strip())
-    if not workers:
+    config = _gateway_config(args)
+    if not config.workers:
         raise ValueError("--workers: give HOST:PORT,... (or LORAPLEX_WORKERS)")
-    keys = _key_ring(args)
-    base = base_model_config(args.model)
+    keys = _key_ring(config)
+    base = base_model_config(config.model)
     spec = _store_spec(args)
     store = open_store(spec, base)
-    config = _gateway_config(args, workers, args.max_rank, _metrics_port(args))
     gateway = Gateway(config, store, base, keys,
                       quota_backend=open_quota_backend(spec, config.quota_lease_seconds))
     await gateway.start(wait_for_workers=5.0)
     _on_signals(gateway.drain, gateway.stop, keys.reload)
     print(f"loraplex gateway listening on {gateway.address} ("
-          f"{'TLS' if config.tls else 'plaintext'}, {len(workers)} worker targets, "
+          f"{'TLS' if config.tls else 'plaintext'}, {len(config.workers)} worker targets, "
           f"adapter store {redact(spec)})", flush=True)
     try:
         await gateway.wait()
@@ -194,14 +180,13 @@ async def gateway(args: argparse.Namespace) -> int:
 async def worker(args: argparse.Namespace) -> int:
     from loraplex.adapter_store.store import open_store
     from loraplex.server.cli import engine_config_from_args
+    from loraplex.server.config import WorkerConfig
     from loraplex.server.engine.engine import resolve_model_path
     from loraplex.server.engine.models.config import ModelConfig
-    from loraplex.server.worker import WorkerConfig, WorkerServer, build_engine
+    from loraplex.server.worker import WorkerServer, build_engine
 
     engine_config = engine_config_from_args(args)
-    config = WorkerConfig(host=args.host, port=args.port, metrics_port=_metrics_port(args),
-                          max_queue=args.max_queue, drain_grace_seconds=args.drain_grace,
-                          worker_id=args.worker_id)
+    config = from_args(WorkerConfig, args)
     base = ModelConfig.from_pretrained(resolve_model_path(engine_config.model))
     store = open_store(_store_spec(args), base)
     engine = await asyncio.to_thread(build_engine, engine_config, store)

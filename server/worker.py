@@ -22,7 +22,6 @@ import logging
 import socket
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -38,7 +37,7 @@ from loraplex.server.api import (
     WorkerRequest,
     WorkerStatus,
 )
-from loraplex.server.config import EngineConfig
+from loraplex.server.config import EngineConfig, WorkerConfig
 from loraplex.server.engine.engine import Engine, EngineStats
 from loraplex.server.engine.request import Request, RequestOutput
 from loraplex.server.engine_loop import EngineLoop
@@ -58,37 +57,6 @@ def grpc_server_options() -> list[tuple[str, int]]:
     # so_reuseport=0: a second server on a taken port must fail, not silently share it.
     return [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    """One worker server (flags of ``loraplex worker``; the engine has its own config).
-
-    Attributes:
-        host: address to listen on.
-        port: gRPC port (0: any free port).
-        metrics_port: Prometheus ``/metrics`` port (None: no metrics server; 0: any).
-        max_queue: requests admitted but not running, at most; beyond it RESOURCE_EXHAUSTED.
-        drain_grace_seconds: how long running requests may finish after SIGTERM.
-        worker_id: reported in Status and logs (default ``hostname:port``).
-    """
-
-    host: str = "127.0.0.1"
-    port: int = 50061
-    metrics_port: int | None = None
-    max_queue: int = 256
-    drain_grace_seconds: float = 30.0
-    worker_id: str = ""
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port: must be in [0, 65535], got {self.port}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
-            raise ValueError(f"metrics_port: must be in [0, 65535], got {self.metrics_port}")
-        if self.max_queue < 1:
-            raise ValueError(f"max_queue: must be >= 1, got {self.max_queue}")
-        if self.drain_grace_seconds < 0:
-            raise ValueError("drain_grace_seconds: must be >= 0")
 
 
 class WorkerService:
@@ -292,7 +260,7 @@ class WorkerServer:
         """SIGTERM: NOT_SERVING, refuse new work, finish or abort the running, then stop."""
         if self._health is None or self.service is None:
             return
-        grace = self.config.drain_grace_seconds if grace_seconds is None else grace_seconds
+        grace = self.config.drain_grace if grace_seconds is None else grace_seconds
         logger.info("worker draining (grace %.1f s)", grace)
         await self._health.shutdown()
         await self.service.drain(grace)

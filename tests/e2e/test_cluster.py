@@ -20,7 +20,7 @@ from tests.e2e.harness import Cluster, WorkerProcess, wait_for
 @pytest.fixture(scope="module")
 def pair(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     c = Cluster(model_dir, tmp_path_factory.mktemp("store"), num_workers=2,
-                gateway={"status_interval_seconds": 0.05})
+                gateway={"status_interval": 0.05})
     yield c
     c.close()
 
@@ -118,7 +118,7 @@ def test_worker_killed_mid_run(model_dir: Path, tmp_path: Path,
         addresses = (a.wait_ready(), b.wait_ready())
         # load_factor 50: every request for the adapter stays on its first-choice worker.
         cluster = Cluster(model_dir, store, num_workers=0, extra_workers=addresses,
-                          gateway={"load_factor": 50.0, "status_interval_seconds": 0.05})
+                          gateway={"load_factor": 50.0, "status_interval": 0.05})
         try:
             wait_for(lambda: cluster.gateway.pool.num_healthy == 2, timeout=10,
                      what="both workers healthy")

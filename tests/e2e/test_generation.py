@@ -24,7 +24,7 @@ PROMPTS: list[str | list[int]] = ["Hello, world", [5, 17, 99, 3, 200, 41], "tena
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     c = Cluster(model_dir, tmp_path_factory.mktemp("store"),
-                gateway={"max_tokens": 1500, "max_prompt_bytes": 4096})
+                gateway={"max_tokens_limit": 1500, "max_prompt_bytes": 4096})
     yield c
     c.close()
 
@@ -198,7 +198,7 @@ def test_health_reflection_and_metrics(cluster: Cluster) -> None:
 def test_full_queues_are_resource_exhausted_at_once(model_dir: Path,
                                                     tmp_path: Path) -> None:
     small = Cluster(model_dir, tmp_path / "store", engine={"max_num_seqs": 1},
-                    worker={"max_queue": 1}, gateway={"status_interval_seconds": 0.05})
+                    worker={"max_queue": 1}, gateway={"status_interval": 0.05})
     try:
         service = small.workers[0].service
         assert service is not None

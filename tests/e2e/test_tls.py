@@ -62,8 +62,8 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def tls_cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
                 certs: dict[str, Path]) -> Iterator[Cluster]:
-    tls = ServerTls(str(certs["server_cert"]), str(certs["server_key"]))
-    cluster = Cluster(model_dir, tmp_path_factory.mktemp("store"), gateway={"tls": tls})
+    tls = {"tls_cert_file": str(certs["server_cert"]), "tls_key_file": str(certs["server_key"])}
+    cluster = Cluster(model_dir, tmp_path_factory.mktemp("store"), gateway=tls)
     yield cluster
     cluster.close()
 
@@ -120,8 +120,9 @@ def test_tls_cli_push_and_generate(tls_cluster: Cluster, certs: dict[str, Path],
 
 def test_mutual_tls_requires_a_client_certificate(model_dir: Path, tmp_path: Path,
                                                   certs: dict[str, Path]) -> None:
-    tls = ServerTls(str(certs["server_cert"]), str(certs["server_key"]), str(certs["ca"]))
-    cluster = Cluster(model_dir, tmp_path / "store", gateway={"tls": tls})
+    tls = {"tls_cert_file": str(certs["server_cert"]), "tls_key_file": str(certs["server_key"]),
+           "tls_client_ca_file": str(certs["ca"])}
+    cluster = Cluster(model_dir, tmp_path / "store", gateway=tls)
     try:
         with Client(cluster.address, api_key="", timeout=5,
                     tls_ca_file=str(certs["ca"])) as anonymous:
