@@ -28,7 +28,7 @@ def samples(registry: object, name: str) -> dict[tuple[tuple[str, str], ...], fl
 @pytest.fixture
 def cluster(model_dir: Path, redis_url: str) -> Iterator[Cluster]:
     c = Cluster(model_dir, redis_url, num_workers=2,
-                gateway={"status_interval_seconds": 0.05})
+                gateway={"status_interval": 0.05})
     yield c
     c.close()
 
