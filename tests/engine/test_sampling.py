@@ -11,7 +11,7 @@ from loraplex.server.config import EngineConfig, SchedulerConfig
 from loraplex.server.engine.engine import Engine
 from loraplex.server.engine.llm import LLM
 from loraplex.server.engine.request import Request, SamplingParams
-from loraplex.server.engine.sampler import sample
+from loraplex.server.engine.sampler import SamplingMetadata, sample
 from tests.helpers import random_prompts
 
 
@@ -47,7 +47,7 @@ def _draw(logits: torch.Tensor, params: SamplingParams, n: int) -> collections.C
     req = Request("x", [0], params, generator=torch.Generator().manual_seed(0))
     counts: collections.Counter = collections.Counter()
     for _ in range(n):
-        tokens, _ = sample(logits[None, :], [req])
+        tokens = sample(logits[None, :], SamplingMetadata.from_requests([req])).token_ids
         counts[tokens[0]] += 1
     return counts
 
