@@ -75,7 +75,8 @@ class EngineConfig:
             (same base model, adapter and tenant).
         share_prefix_across_tenants: one cache scope for every tenant (public system prompts);
             off by default, so tenants never share pages.
-        seed: seeds requests that bring no seed of their own.
+        seed: seeds the seeds of requests that bring none (reproducible runs); None seeds
+            them from the OS, so replicas and restarts never repeat each other's draws.
     """
 
     model: str = "demo"
@@ -91,7 +92,7 @@ class EngineConfig:
     host_cache_bytes: int = 4 << 30
     enable_prefix_caching: bool = True
     share_prefix_across_tenants: bool = False
-    seed: int = 0
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -110,6 +111,8 @@ class EngineConfig:
             raise ValueError("host_cache_bytes: must be positive")
         if not 1 <= self.max_rank <= 1024:
             raise ValueError(f"max_rank: must be in [1, 1024], got {self.max_rank}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed: must be in [0, 2^63) or unset, got {self.seed}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device: {self.device!r} is not cpu or cuda[:N]")
 

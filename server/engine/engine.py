@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -116,7 +117,10 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, Detokenizer] = {}
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
-        self._seed_rng = torch.Generator().manual_seed(config.seed)
+        # Without an operator's seed, from the OS: replicas and restarts must not repeat the
+        # same "random" draws for unseeded requests.
+        seed = config.seed if config.seed is not None else secrets.randbits(63)
+        self._seed_rng = torch.Generator().manual_seed(seed)
         self._num_steps = 0
         if self.device.type == "cuda" and kernels == "triton":
             self.warmup()
