@@ -42,6 +42,8 @@ class EngineLoop:
         self.stats: EngineStats = engine.stats()
         self._stats_time = 0.0
         self.error: str | None = None  # set when step() itself failed: the worker is broken
+        # Load this (the asyncio) thread's tokenizer now, not on the first request.
+        engine.tokenizer.for_this_thread()
 
     def start(self) -> None:
         self._thread.start()
@@ -81,6 +83,7 @@ class EngineLoop:
 
     # -- the engine thread ------------------------------------------------------------------
     def _run(self) -> None:
+        self.engine.tokenizer.for_this_thread()  # the engine thread's own (detokenization)
         while not self._stopping.is_set():
             self._wake.clear()
             if not self.engine.has_unfinished():
