@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from loraplex.server.api import WorkerRequest
-from loraplex.server.client import ServiceError
+from loraplex.server.client import Client, ServiceError
 from loraplex.server.convert import ClientStub, worker_request_to_pb
 from loraplex.server.engine.request import SamplingParams
 from loraplex.server.launch import EXIT_ENGINE_FAILED
@@ -111,21 +111,29 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def test_worker_process_exits_non_zero_when_its_engine_dies(model_dir: Path,
-                                                            tmp_path: Path) -> None:
-    cmd = [sys.executable, "-c", FAULTY_WORKER, "worker", "--model", str(model_dir),
+@pytest.mark.parametrize("command", ["worker", "serve"])
+def test_process_exits_non_zero_when_its_engine_dies(model_dir: Path, tmp_path: Path,
+                                                     command: str) -> None:
+    cmd = [sys.executable, "-c", FAULTY_WORKER, command, "--model", str(model_dir),
            "--store", f"fs:{tmp_path / 'store'}", "--port", "0", "--metrics-port", "-1",
            "--num-pages", "64"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        address = read_line(proc, "loraplex worker listening on ", 60).rsplit(" ", 1)[-1]
-        with grpc.insecure_channel(address) as channel:
-            stub = worker_pb2_grpc.WorkerStub(channel)
-            request = WorkerRequest("r1", "default", "hello", SamplingParams(max_tokens=4))
-            with pytest.raises(grpc.RpcError) as info:
-                list(stub.Generate(worker_request_to_pb(request), timeout=30))
-            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "injected engine fault" in (info.value.details() or "")
+        if command == "worker":
+            address = read_line(proc, "loraplex worker listening on ", 60).rsplit(" ", 1)[-1]
+            with grpc.insecure_channel(address) as channel:
+                stub = worker_pb2_grpc.WorkerStub(channel)
+                request = WorkerRequest("r1", "default", "hello", SamplingParams(max_tokens=4))
+                with pytest.raises(grpc.RpcError) as info:
+                    list(stub.Generate(worker_request_to_pb(request), timeout=30))
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "injected engine fault" in (info.value.details() or "")
+        else:
+            line = read_line(proc, "loraplex serving ", 60)
+            address = line.split(" on ", 1)[1].split(" ", 1)[0]
+            with Client(address, timeout=30) as client, pytest.raises(ServiceError) as error:
+                client.generate("hello", max_tokens=4)
+            assert error.value.code == grpc.StatusCode.UNAVAILABLE
         assert proc.wait(30) == EXIT_ENGINE_FAILED
         assert "engine failure" in (proc.stderr.read() if proc.stderr else "")
     finally:
