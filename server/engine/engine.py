@@ -247,16 +247,16 @@ class Engine:
                 self._advance(req, n, now)
             except Exception as exc:
                 outputs.append(self._fail(req, f"internal error after the model step: {exc}"))
-        sampling = [r for r in run.sampling_requests if not r.finished]
-        if not sampling:
-            return outputs
         rows = [i for i, r in enumerate(run.sampling_requests) if not r.finished]
+        if not rows:
+            return outputs
+        sampling = [run.sampling_requests[i] for i in rows]
         try:
             result = sample(run.logits[rows], SamplingMetadata.from_requests(sampling))
         except Exception as exc:  # a bug in the sampler: this batch's sampling requests fail
             logger.exception("sampling failed")
             for req in sampling:
-                outputs.append(self._fail(req, f"internal error in sampling: {exc}"))
+                outputs.append(self._fail(req, f"internal error in sampling: {exc}", log=False))
             return outputs
         failed = set(result.failed_rows)
         for row, req in enumerate(sampling):
