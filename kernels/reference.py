@@ -149,8 +149,12 @@ def _decode(q: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadata, rows: 
             scores.view(num_seqs, -1, g.max_len).masked_fill_(g.pad, float("-inf"))
         probs = scores.softmax(-1).to(q.dtype)
         o = F.embedding_bag(g.v_rows, flat, g.bags, mode="sum",
-                            per_sample_weights=probs.reshape(-1))  # [S * Hq, D]
+                            per_sample_weights=probs.reshape(-1),
+                            padding_idx=_SKIPPED_ROW)  # [S * Hq, D]
         out.index_copy_(0, g.tokens, o.view(num_seqs, -1, head_dim))
+
+
+_SKIPPED_ROW = 0  # the V row padded decode positions read (see _decode_plan)
 
 
 def _decode_plan(meta: AttentionMetadata, rows: list[int], starts: list[int], page_size: int,
@@ -170,10 +174,14 @@ def _decode_plan(meta: AttentionMetadata, rows: list[int], starts: list[int], pa
         first = (pages.long() * 2 * page_size + pos % page_size) * num_kv_heads  # [S, L]
         k_rows = (first[:, None, :] + heads[None, :, None]).reshape(-1)
         v_rows = (k_rows + page_size * num_kv_heads).view(len(seqs), num_kv_heads, 1, max_len)
-        v_rows = v_rows.expand(-1, -1, group, -1).reshape(-1)
         pad = None
         if lens[0] < max_len:
             pad = (pos[None, :] >= torch.tensor(lens, device=device)[:, None])[:, None, :]
+            # Weight 0 does not hide NaN or inf a stale slot may hold (0 * NaN is NaN): padded
+            # positions read row 0 instead, which embedding_bag skips (padding_idx). Row 0 is a
+            # K row (page 0, K half), never a V row, so no real V row is skipped.
+            v_rows = v_rows.masked_fill(pad[:, :, None, :], _SKIPPED_ROW)
+        v_rows = v_rows.expand(-1, -1, group, -1).reshape(-1)
         plan.append(_DecodeGroup(
             tokens=torch.tensor([starts[s] for s in seqs], device=device), k_rows=k_rows,
             v_rows=v_rows, bags=torch.arange(0, v_rows.numel(), max_len, device=device),

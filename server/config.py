@@ -120,7 +120,10 @@ class EngineConfig:
     share_prefix_across_tenants: bool = setting(
         False, "one prefix cache scope for every tenant (public system prompts); off, "
         "tenants never share pages")
-    seed: int = setting(0, "seeds requests that bring no seed of their own")
+    seed: int | None = setting(
+        None, "seeds the seeds of requests that bring none (reproducible runs); unset, they "
+        "come from the OS, so replicas and restarts never repeat each other's draws",
+        default_text="unset (from the OS)")
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -139,6 +142,8 @@ class EngineConfig:
             raise ValueError("host_cache_bytes: must be positive")
         if not 1 <= self.max_rank <= 1024:
             raise ValueError(f"max_rank: must be in [1, 1024], got {self.max_rank}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed: must be in [0, 2^63) or unset, got {self.seed}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device: {self.device!r} is not cpu or cuda[:N]")
 

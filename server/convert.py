@@ -536,7 +536,8 @@ class HealthReporter:
     """The standard ``grpc.health.v1.Health`` service of one server. The empty service name
     reports the server's overall state; each named service follows it. ``loraplex.liveness``
     answers SERVING for as long as the server's event loop answers at all, draining or not,
-    so a liveness probe never kills a pod that is busy or draining."""
+    so a liveness probe never kills a pod that is busy or draining; only ``fail`` (a broken
+    server) turns it NOT_SERVING."""
 
     def __init__(self, server: grpc.aio.Server, service_names: list[str]) -> None:
         self._servicer = health.aio.HealthServicer()
@@ -558,6 +559,13 @@ class HealthReporter:
     async def shutdown(self) -> None:
         """NOT_SERVING for good (a draining server never comes back); liveness stays."""
         await self.set_serving(False)
+
+    async def fail(self) -> None:
+        """NOT_SERVING for good, liveness included: the server is broken (its engine thread
+        died), so a liveness probe restarts it even if its process were to stay up."""
+        await self.set_serving(False)
+        await self._servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._liveness_set = True
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: list[str]

@@ -32,8 +32,17 @@ class EngineLoop:
     it goes idle) and may be read from anywhere.
     """
 
-    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop,
+                 on_fatal: Callable[[str], None] | None = None) -> None:
+        """Args:
+            engine: the engine this thread drives.
+            loop: the asyncio loop its requests' streams live on.
+            on_fatal: called on ``loop`` with the reason once the engine thread has ended by
+                an exception (after every request's stream was failed): the worker turns
+                NOT_SERVING and its process exits.
+        """
         self.engine = engine
+        self._on_fatal = on_fatal
         self._loop = loop
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._wake = threading.Event()
@@ -42,6 +51,8 @@ class EngineLoop:
         self.stats: EngineStats = engine.stats()
         self._stats_time = 0.0
         self.error: str | None = None  # set when step() itself failed: the worker is broken
+        # Load this (the asyncio) thread's tokenizer now, not on the first request.
+        engine.tokenizer.for_this_thread()
 
     def start(self) -> None:
         self._thread.start()
@@ -81,19 +92,22 @@ class EngineLoop:
 
     # -- the engine thread ------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # step() keeps failures with their requests: an engine bug
+            logger.exception("engine thread failed; the worker stops serving")
+            self.error = f"engine failure: {exc!r}"
+            self._post(self._fail_all, self.error)
+
+    def _serve(self) -> None:
+        self.engine.tokenizer.for_this_thread()  # the engine thread's own (detokenization)
         while not self._stopping.is_set():
             self._wake.clear()
             if not self.engine.has_unfinished():
                 self._refresh_stats(force=True)
                 self._wake.wait(IDLE_WAIT_SECONDS)
                 continue
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:  # step() handles model faults; this is an engine bug
-                logger.exception("engine step failed; the worker stops serving")
-                self.error = f"engine failure: {exc}"
-                self._post(self._fail_all, self.error)
-                return
+            outputs = self.engine.step()
             if outputs:
                 self._post(self._dispatch, outputs)
             self._refresh_stats()
@@ -118,6 +132,10 @@ class EngineLoop:
                 queue.put_nowait(out)
 
     def _fail_all(self, error: str) -> None:
+        # Every request submitted here has a queue (in flight or still queued in the engine):
+        # each ends as aborted (UNAVAILABLE: another worker may serve it) with the reason.
         for request_id, queue in self._queues.items():
-            queue.put_nowait(RequestOutput(request_id, [], "", True, finish_reason="error",
-                                           error=error))
+            queue.put_nowait(RequestOutput(request_id, [], "", True, finish_reason="abort",
+                                           error=f"{error}; the worker stops serving"))
+        if self._on_fatal is not None:
+            self._on_fatal(error)

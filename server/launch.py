@@ -21,6 +21,29 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 EXAMPLE_PROMPT = "Once upon a time"
+# The exit status of a process whose engine thread died (any non-zero status makes Kubernetes
+# restart the container; this one says why in `kubectl describe pod`).
+EXIT_ENGINE_FAILED = 3
+
+
+class _Fatal:
+    """The command layer's ``on_fatal``: remembers the engine failure and stops the servers,
+    so that the command returns ``EXIT_ENGINE_FAILED``."""
+
+    def __init__(self) -> None:
+        self.error: str | None = None
+        self.stop: Callable[[], Coroutine[Any, Any, None]] | None = None
+        self._tasks: list[asyncio.Task[None]] = []  # held: the loop keeps only weak references
+
+    def __call__(self, error: str) -> None:
+        logger.critical("%s: stopping the servers; exit status %d", error, EXIT_ENGINE_FAILED)
+        self.error = error
+        if self.stop is not None:
+            self._tasks.append(asyncio.get_running_loop().create_task(self.stop()))
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_ENGINE_FAILED if self.error is not None else 0
 
 
 def _store_spec(args: argparse.Namespace) -> str:
@@ -91,7 +114,8 @@ async def serve(args: argparse.Namespace) -> int:
     # SERVE_WORKER_EXCLUDES: where the in-process worker listens is serve's choice.
     worker_config = from_args(WorkerConfig, args, host="127.0.0.1", port=0, metrics_port=None,
                               worker_id="local")
-    worker = WorkerServer(engine, worker_config, registry)
+    fatal = _Fatal()
+    worker = WorkerServer(engine, worker_config, registry, on_fatal=fatal)
     await worker.start()
     # One /metrics server for the gateway and the worker together (one registry).
     config = _gateway_config(args, workers=(worker.address,), metrics_port=None)
@@ -109,6 +133,7 @@ async def serve(args: argparse.Namespace) -> int:
         await gateway.stop()
         await worker.stop()
 
+    fatal.stop = stop
     _on_signals(drain, stop, keys.reload)
     _print_ready(gateway.address, engine_config.model, spec, keys.keyless,
                  metrics.port if metrics else None, config.host, config.tls is not None)
@@ -120,7 +145,7 @@ async def serve(args: argparse.Namespace) -> int:
         if metrics is not None:
             metrics.close()
         store.close()
-    return 0
+    return fatal.exit_code
 
 
 def _print_ready(address: str, model: str, store: str, keyless: bool, metrics_port: int | None,
@@ -190,7 +215,9 @@ async def worker(args: argparse.Namespace) -> int:
     base = ModelConfig.from_pretrained(resolve_model_path(engine_config.model))
     store = open_store(_store_spec(args), base)
     engine = await asyncio.to_thread(build_engine, engine_config, store)
-    worker = WorkerServer(engine, config)
+    fatal = _Fatal()
+    worker = WorkerServer(engine, config, on_fatal=fatal)
+    fatal.stop = worker.stop
     await worker.start()
     _on_signals(worker.drain, worker.stop)
     print(f"loraplex worker listening on {worker.address}", flush=True)
@@ -199,7 +226,7 @@ async def worker(args: argparse.Namespace) -> int:
     finally:
         await worker.stop()
         store.close()
-    return 0
+    return fatal.exit_code
 
 
 def redact(spec: str) -> str:

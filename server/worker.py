@@ -21,7 +21,7 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -187,7 +187,7 @@ def request_failure(out: RequestOutput) -> ServiceError | None:
         return None
     if out.finish_reason == "abort":
         return ServiceError(grpc.StatusCode.UNAVAILABLE,
-                            "request aborted: the worker is shutting down",
+                            out.error or "request aborted: the worker is shutting down",
                             origin=ORIGIN_SERVER, cause="aborted")
     error = out.error or "the engine failed"
     if error.startswith("adapter"):
@@ -204,15 +204,23 @@ class WorkerServer:
     """A worker process's servers: the engine thread, ``Worker`` + health + reflection over
     gRPC, and ``/metrics``.
 
+    If the engine thread ends by an exception, every request fails ``UNAVAILABLE``, health
+    (the server's, every service's and ``loraplex.liveness``) turns NOT_SERVING for good and
+    ``on_fatal(reason)`` is called on the server's loop: the command layer stops the servers
+    and exits non-zero so that Kubernetes restarts the pod; a library user decides itself.
+
     Args:
         engine: the engine to serve (built by :func:`build_engine`).
         config: the server's settings.
         registry: where metrics go (a fresh registry when None).
+        on_fatal: called with the reason once the engine thread has died.
     """
 
     def __init__(self, engine: Engine, config: WorkerConfig,
-                 registry: CollectorRegistry | None = None) -> None:
+                 registry: CollectorRegistry | None = None,
+                 on_fatal: Callable[[str], None] | None = None) -> None:
         self.engine = engine
+        self.on_fatal = on_fatal
         self.config = config
         self.registry = registry if registry is not None else CollectorRegistry()
         self.port = config.port
@@ -221,6 +229,7 @@ class WorkerServer:
         self._metrics_server: MetricsServer | None = None
         self.service: WorkerService | None = None
         self._health: convert.HealthReporter | None = None
+        self._fatal_task: asyncio.Task[None] | None = None  # held: the loop keeps weak refs
 
     @property
     def address(self) -> str:
@@ -232,7 +241,8 @@ class WorkerServer:
 
     async def start(self) -> None:
         """Bind and start serving (on the running asyncio loop)."""
-        self._loop = EngineLoop(self.engine, asyncio.get_running_loop())
+        self._loop = EngineLoop(self.engine, asyncio.get_running_loop(),
+                                on_fatal=self._engine_failed)
         server = grpc.aio.server(options=grpc_server_options())
         self.port = server.add_insecure_port(format_address(self.config.host, self.config.port))
         if self.port == 0:
@@ -250,6 +260,18 @@ class WorkerServer:
             self._metrics_server = MetricsServer(self.registry, self.config.host,
                                                  self.config.metrics_port)
         logger.info("worker %s listening on %s", worker_id, self.address)
+
+    def _engine_failed(self, error: str) -> None:
+        # On the server's loop, right after every stream was failed: health first, then the
+        # owner's callback (which may stop this server).
+        async def fail() -> None:
+            if self._health is not None:
+                await self._health.fail()
+            logger.error("worker %s: %s; NOT_SERVING", self.address, error)
+            if self.on_fatal is not None:
+                self.on_fatal(error)
+
+        self._fatal_task = asyncio.get_running_loop().create_task(fail())
 
     def _snapshot(self) -> tuple[EngineStats, int] | None:
         if self._loop is None or self.service is None:

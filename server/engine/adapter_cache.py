@@ -79,8 +79,16 @@ def flatten_adapter(adapter: Any, config: ModelConfig, dtype: torch.dtype, max_r
             raise ValueError(f"adapter {adapter.digest[:12]}: {module} shapes "
                              f"{tuple(a.shape)}/{tuple(b.shape)} do not fit the model")
         a_off, b_off = layout.a_offsets[module], layout.b_offsets[module]
-        flat[layer, a_off:a_off + rank * d_in] = a.reshape(-1).to(dtype)
-        flat[layer, b_off:b_off + rank * d_out] = b.t().reshape(-1).to(dtype)
+        a_cast, b_cast = a.to(dtype), b.to(dtype)
+        # The store refuses non-finite weights, but not knowing the serving dtype it accepts
+        # finite ones that this cast turns into inf (beyond 65504 in float16).
+        for half, t in (("A", a_cast), ("B", b_cast)):
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"adapter {adapter.digest[:12]}: layers.{layer}.{module}."
+                                 f"lora_{half} is not finite in {str(dtype).removeprefix('torch.')}"
+                                 " (its weights overflow the serving dtype)")
+        flat[layer, a_off:a_off + rank * d_in] = a_cast.reshape(-1)
+        flat[layer, b_off:b_off + rank * d_out] = b_cast.t().reshape(-1)
     if pin:
         flat = flat.pin_memory()
     return HostAdapter(adapter.digest, layout, float(adapter.scale), flat)

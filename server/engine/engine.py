@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -30,12 +31,15 @@ from loraplex.server.engine.request import (
     SamplingParams,
     TokenLogprob,
 )
-from loraplex.server.engine.sampler import sample
+from loraplex.server.engine.sampler import SamplingMetadata, sample
 from loraplex.server.engine.scheduler import Scheduler
 from loraplex.server.engine.tokenizer import Detokenizer, Tokenizer
 from loraplex.server.engine.warmup import warm_up
 
 logger = logging.getLogger(__name__)
+
+SAMPLING_FAILED = ("sampling failed: non-finite probabilities (temperature too small, or "
+                   "adapter or model weights that overflow in the activations)")
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,10 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, Detokenizer] = {}
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
-        self._seed_rng = torch.Generator().manual_seed(config.seed)
+        # Without an operator's seed, from the OS: replicas and restarts must not repeat the
+        # same "random" draws for unseeded requests.
+        seed = config.seed if config.seed is not None else secrets.randbits(63)
+        self._seed_rng = torch.Generator().manual_seed(seed)
         self._num_steps = 0
         if self.device.type == "cuda" and kernels == "triton":
             self.warmup()
@@ -234,17 +241,50 @@ class Engine:
                 req.error = f"internal error in model step: {exc}"
                 outputs.append(self._finish(req, RequestStatus.FINISHED_ERROR, ""))
             return outputs
+        # From here on a failure is one request's: it fails that request, never the step.
         for req, n in zip(batch.requests, batch.num_new_tokens):
-            req.num_computed_tokens += n
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-            if self.prefix_cache is not None:
-                self.prefix_cache.register(req)
-        if run.sampling_requests:
-            token_ids, logprobs = sample(run.logits, run.sampling_requests)
-            for req, token, lp in zip(run.sampling_requests, token_ids, logprobs):
-                outputs.append(self._append_token(req, token, lp))
+            try:
+                self._advance(req, n, now)
+            except Exception as exc:
+                outputs.append(self._fail(req, f"internal error after the model step: {exc}"))
+        rows = [i for i, r in enumerate(run.sampling_requests) if not r.finished]
+        if not rows:
+            return outputs
+        sampling = [run.sampling_requests[i] for i in rows]
+        try:
+            result = sample(run.logits[rows], SamplingMetadata.from_requests(sampling))
+        except Exception as exc:  # a bug in the sampler: this batch's sampling requests fail
+            logger.exception("sampling failed")
+            for req in sampling:
+                outputs.append(self._fail(req, f"internal error in sampling: {exc}", log=False))
+            return outputs
+        failed = set(result.failed_rows)
+        for row, req in enumerate(sampling):
+            if row in failed:
+                outputs.append(self._fail(req, SAMPLING_FAILED, log=False))
+                continue
+            try:
+                outputs.append(self._append_token(req, result.token_ids[row],
+                                                  result.logprobs[row]))
+            except Exception as exc:
+                outputs.append(self._fail(req, f"internal error in postprocessing: {exc}"))
         return outputs
+
+    def _advance(self, req: Request, num_new_tokens: int, now: float) -> None:
+        req.num_computed_tokens += num_new_tokens
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+        if self.prefix_cache is not None:
+            self.prefix_cache.register(req)
+
+    def _fail(self, req: Request, error: str, log: bool = True) -> RequestOutput:
+        """End ``req`` with ``error`` (``FINISHED_ERROR``); the rest of the batch goes on."""
+        if log:
+            logger.exception("request %s failed: %s", req.request_id, error)
+        else:
+            logger.warning("request %s failed: %s", req.request_id, error)
+        req.error = error
+        return self._finish(req, RequestStatus.FINISHED_ERROR, "")
 
     def _append_token(self, req: Request, token: int, lp: TokenLogprob | None
                       ) -> RequestOutput:
@@ -276,10 +316,13 @@ class Engine:
                 new_token_ids: list[int] | None = None,
                 logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         self.scheduler.finish(req, status)
-        detok = self._detok.pop(req.request_id)
-        if status is not RequestStatus.FINISHED_STOPPED:
+        # Tolerates a request that a failure caught half-way through finishing.
+        detok = self._detok.pop(req.request_id, None)
+        if detok is not None and status is RequestStatus.FINISHED_ERROR:
+            text = ""
+        elif detok is not None and status is not RequestStatus.FINISHED_STOPPED:
             text += detok.finish()
-        del self._requests[req.request_id]
+        self._requests.pop(req.request_id, None)
         return RequestOutput(req.request_id, new_token_ids or [], text, True,
                              finish_reason=status.value, logprobs=logprobs or [],
                              num_prompt_tokens=req.num_prompt_tokens,

@@ -84,8 +84,9 @@ class PrefixCache:
         return matched
 
     def unmatch(self, request: Request, pages: list[int]) -> None:
-        """Give back pages from ``match`` when the request is not admitted after all."""
-        self.pager.free(pages)
+        """Give back pages from ``match`` when the request is not admitted after all (last
+        page first, so the deepest page is the first evicted and the rest still match)."""
+        self.pager.free(pages[::-1])
 
     def record_admission(self, request: Request, num_hit_tokens: int) -> None:
         """Count a first admission's prompt tokens and cache hits (for hit rates by tenant)."""

@@ -15,6 +15,11 @@ from loraplex.server.quote import quote
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_LOGPROBS = 20
+# The sampler divides float32 logits by the temperature, whatever the serving dtype (logits are
+# cast to float32 first). At 1e-2 a logit overflows float32 only beyond 3.4e36, far past what
+# finite fp16/bf16/fp32 activations give a working model, while 1e-300 turns any logit into
+# inf; below 1e-2 sampling is greedy in effect anyway (vLLM clamps at the same bound).
+MIN_TEMPERATURE = 1e-2
 
 
 @dataclass(frozen=True)
@@ -24,7 +29,8 @@ class SamplingParams:
 
     Attributes:
         max_tokens: tokens to generate at most.
-        temperature: softmax temperature; 0 picks the most likely token.
+        temperature: softmax temperature; 0 picks the most likely token, else at least
+            ``MIN_TEMPERATURE`` (0.01).
         top_k: keep the k most likely tokens (0: all).
         top_p: keep the smallest set of tokens whose probability reaches p.
         seed: per-request seed; the same seed gives the same tokens alone or in any batch.
@@ -51,6 +57,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature: must be finite and >= 0, got {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature: must be 0 (greedy) or >= {MIN_TEMPERATURE}, got "
+                             f"{self.temperature!r} (smaller ones overflow the float32 "
+                             "logits the sampler divides)")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k: must be an integer >= 0 (0 disables), got {self.top_k!r}")
         if not (0.0 < self.top_p <= 1.0):

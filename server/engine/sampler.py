@@ -1,58 +1,201 @@
-"""Token choice per request: greedy, temperature, top-k, top-p, per-request seeds.
+"""Token choice for a batch of rows: ``sample(logits[R, V], SamplingMetadata) -> SamplerOutput``.
 
-Each request samples from its own ``torch.Generator``, so a seeded request draws the same
-tokens alone or in any batch, and across preemption (recompute draws nothing).
+The one seam that structured output (an allowed-token bitmask), speculative decoding
+(1 + k rows per request) and parallel sampling (n rows per request) fill or read.
+
+1. Every row's logits get its logit bias and its allowed-token bitmask (masked tokens -inf).
+2. Greedy rows take the argmax; the others are scaled by their temperature, cut to their top-k,
+   top-p and min-p sets, and turned into probabilities: a few tensor ops for the whole batch,
+   whatever the mix of parameters.
+3. Only the random draw is per row: ``torch.multinomial`` on the row's final probabilities with
+   the row's own ``torch.Generator``, so a seeded request draws the same tokens alone or in any
+   batch, and across preemption (recompute draws nothing).
+4. A row whose logits or probabilities are not usable (NaN, +inf, nothing left to draw) is
+   reported in ``failed_rows``; the sampler never raises for one row's numbers.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from loraplex.server.engine.request import Request, TokenLogprob
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int],
-                                                                    list[TokenLogprob | None]]:
+@dataclass(frozen=True)
+class SamplingMetadata:
+    """Which request each row belongs to, and the batch's per-row sampling parameters.
+
+    Attributes:
+        requests: the distinct requests of the batch.
+        row_requests: ``[R]`` index into ``requests`` of each row (one request may own
+            several rows: 1 + k when it speculates, n when it samples n sequences).
+        generators: ``[R]`` the generator each row draws from (None: greedy rows).
+        greedy: ``[R]`` bool, rows that take the argmax.
+        temperature: ``[R]`` float32 (1.0 on greedy rows, never used there).
+        top_k: ``[R]`` int64, 0: no cut.
+        top_p: ``[R]`` float32, 1.0: no cut.
+        logprobs: ``[R]`` None for no logprobs; n: the chosen token's and the top n.
+        min_p: ``[R]`` float32 or None; drop tokens below ``min_p`` times the row's top
+            probability.
+        logit_bias: ``[R, V]`` float32 or None, added to the logits first.
+        allowed_token_bitmask: ``[R, ceil(V / 32)]`` int32 or None; bit ``j`` of word ``w``
+            set means token ``32 * w + j`` is allowed (a row of -1 allows every token).
+        return_probs: return the final probabilities of every row (speculative verification).
+    """
+
+    requests: tuple[Request, ...]
+    row_requests: tuple[int, ...]
+    generators: tuple[torch.Generator | None, ...]
+    greedy: torch.Tensor
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    logprobs: tuple[int | None, ...]
+    min_p: torch.Tensor | None = None
+    logit_bias: torch.Tensor | None = None
+    allowed_token_bitmask: torch.Tensor | None = None
+    return_probs: bool = False
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_requests)
+
+    @classmethod
+    def from_requests(cls, requests: Sequence[Request]) -> SamplingMetadata:
+        """One row per request, from each request's ``SamplingParams`` (CPU tensors)."""
+        params = [r.params for r in requests]
+        greedy = [p.greedy for p in params]
+        return cls(
+            requests=tuple(requests),
+            row_requests=tuple(range(len(requests))),
+            generators=tuple(None if g else r.generator for r, g in zip(requests, greedy)),
+            greedy=torch.tensor(greedy, dtype=torch.bool),
+            temperature=torch.tensor([1.0 if g else p.temperature
+                                      for p, g in zip(params, greedy)], dtype=torch.float32),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            logprobs=tuple(p.logprobs for p in params),
+        )
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """What ``sample`` picked.
+
+    Attributes:
+        token_ids: ``[R]`` the token of each row (unspecified for a failed row).
+        logprobs: ``[R]`` per row that asked: the chosen token's logprob and the top n.
+        probs: ``[R, V]`` float32 final probabilities when ``return_probs`` was set (a greedy
+            row's is one-hot on its token), else None.
+        failed_rows: rows whose logits or probabilities were not usable (non-finite, or no
+            token left to draw); their requests fail alone.
+    """
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+    probs: torch.Tensor | None
+    failed_rows: tuple[int, ...]
+
+
+def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
     """Pick one token per row.
 
     Args:
-        logits: ``[N, vocab]`` float32, row ``i`` for ``requests[i]``.
+        logits: ``[R, V]`` float32, row ``i`` for request ``metadata.row_requests[i]``.
+        metadata: the rows' parameters (``SamplingMetadata.from_requests`` for one row each).
     Returns:
-        token ids and, per request that asked for them, the chosen token's logprob with top-n.
+        a ``SamplerOutput``; rows that cannot be sampled are in ``failed_rows``, never raised.
     """
+    num_rows, vocab = logits.shape
+    if num_rows != metadata.num_rows:
+        raise ValueError(f"logits: {num_rows} rows for {metadata.num_rows} rows of metadata")
+    raw = logits
+    if metadata.logit_bias is not None:
+        logits = logits + metadata.logit_bias.to(logits.device)
+    if metadata.allowed_token_bitmask is not None:
+        allowed = unpack_bitmask(metadata.allowed_token_bitmask.to(logits.device), vocab)
+        logits = logits.masked_fill(~allowed, float("-inf"))
+    # A row is unusable if it holds NaN or +inf, or masks every token.
+    failed = (logits.isnan().any(-1) | logits.isposinf().any(-1)
+              | ~logits.isfinite().any(-1))  # [R]
     token_ids = logits.argmax(dim=-1).tolist()
-    drawn = [i for i, r in enumerate(requests) if not r.params.greedy]
+    greedy = metadata.greedy.tolist()
+    drawn = [i for i in range(num_rows) if not greedy[i]]
+    probs_out = None
+    if metadata.return_probs:
+        probs_out = torch.zeros(num_rows, vocab, dtype=torch.float32)
+        greedy_rows = [i for i in range(num_rows) if greedy[i]]
+        probs_out[greedy_rows, [token_ids[i] for i in greedy_rows]] = 1.0
+    failed_rows = set(torch.nonzero(failed.cpu()).flatten().tolist())
     if drawn:
         # Request generators are CPU generators (seeded draws do not depend on the device),
         # and torch refuses a CPU generator for CUDA tensors: draw from a CPU copy of the rows.
-        rows = logits[drawn].cpu()  # [len(drawn), vocab]
-        for row, i in zip(rows, drawn):
-            token_ids[i] = _sample_row(row, requests[i])
-    logprobs: list[TokenLogprob | None] = [None] * len(requests)
-    wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
-    if wanted:
-        lp = torch.log_softmax(logits[wanted], dim=-1)  # [len(wanted), vocab]
-        for row, i in enumerate(wanted):
-            n = requests[i].params.logprobs or 0
-            top: tuple[tuple[int, float], ...] = ()
-            if n:
-                values, ids = lp[row].topk(n)
-                top = tuple(zip(ids.tolist(), values.tolist()))
-            logprobs[i] = TokenLogprob(token_ids[i], float(lp[row, token_ids[i]]), top)
-    return token_ids, logprobs
+        index = torch.tensor(drawn)
+        probs = _probabilities(logits[index.to(logits.device)].cpu(), metadata, index)
+        bad = ~probs.isfinite().all(-1) | ~(probs.sum(-1) > 0)  # [len(drawn)]
+        for row, i in enumerate(drawn):
+            if i in failed_rows or bool(bad[row]):
+                failed_rows.add(i)
+                continue
+            generator = metadata.generators[i]
+            token_ids[i] = int(torch.multinomial(probs[row], 1, generator=generator).item())
+        if probs_out is not None:
+            probs_out[index] = probs
+    logprobs = _logprobs(raw, metadata, token_ids, failed_rows)
+    return SamplerOutput(token_ids, logprobs, probs_out, tuple(sorted(failed_rows)))
 
 
-def _sample_row(logits: torch.Tensor, req: Request) -> int:
-    params = req.params
-    scaled = logits / params.temperature
-    if params.top_k and params.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, params.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = scaled.sort(descending=True)
-        probs = sorted_logits.softmax(-1)
-        # drop a token when the tokens before it already reach top_p (the first always stays)
-        drop = probs.cumsum(-1) - probs >= params.top_p
-        scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+def _probabilities(logits: torch.Tensor, metadata: SamplingMetadata,
+                   index: torch.Tensor) -> torch.Tensor:
+    """``[N, V]`` logits of the drawn rows ``index`` -> their final probabilities."""
+    vocab = logits.shape[-1]
+    scaled = logits / metadata.temperature[index, None]
+    top_k = metadata.top_k[index]
+    cut_k = (top_k > 0) & (top_k < vocab)  # [N]
+    if bool(cut_k.any()):
+        # The k-th largest value of each row; ties with it stay, as topk's cut would keep them.
+        kth = scaled.sort(dim=-1, descending=True).values.gather(
+            1, (top_k.clamp(1, vocab) - 1)[:, None])  # [N, 1]
+        scaled = scaled.masked_fill(cut_k[:, None] & (scaled < kth), float("-inf"))
+    top_p = metadata.top_p[index]
+    cut_p = top_p < 1.0  # [N]
+    if bool(cut_p.any()):
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # Drop a token when the tokens before it already reach top_p (the first always stays).
+        drop = (sorted_probs.cumsum(-1) - sorted_probs >= top_p[:, None]) & cut_p[:, None]
+        scaled = scaled.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = scaled.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=req.generator).item())
+    if metadata.min_p is not None:
+        min_p = metadata.min_p[index]
+        floor = min_p[:, None] * probs.amax(-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs
+
+
+def _logprobs(logits: torch.Tensor, metadata: SamplingMetadata, token_ids: list[int],
+              failed_rows: set[int]) -> list[TokenLogprob | None]:
+    # Logprobs are of the model's distribution (raw logits), as OpenAI's API reports them.
+    out: list[TokenLogprob | None] = [None] * metadata.num_rows
+    wanted = [i for i, n in enumerate(metadata.logprobs) if n is not None and i not in failed_rows]
+    if not wanted:
+        return out
+    lp = torch.log_softmax(logits[wanted], dim=-1)  # [len(wanted), vocab]
+    for row, i in enumerate(wanted):
+        n = metadata.logprobs[i] or 0
+        top: tuple[tuple[int, float], ...] = ()
+        if n:
+            values, ids = lp[row].topk(n)
+            top = tuple(zip(ids.tolist(), values.tolist()))
+        out[i] = TokenLogprob(token_ids[i], float(lp[row, token_ids[i]]), top)
+    return out
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[R, ceil(V / 32)]`` int32 -> ``[R, V]`` bool, True where the token is allowed."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()

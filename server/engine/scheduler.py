@@ -161,7 +161,7 @@ class Scheduler:
             extra = self.gate.pages_needed(req) if self.gate is not None else 0
             if not self.pager.can_allocate(need + extra):
                 if matched:
-                    self.pager.free(matched)
+                    self.pager.free(matched[::-1])  # last first, as _release does
                     req.page_ids, req.num_computed_tokens = [], 0
                 break
             if self.prefix_cache is not None:
@@ -193,7 +193,10 @@ class Scheduler:
         if self.prefix_cache is not None:
             self.prefix_cache.forget(request, finished)
         if request.page_ids:
-            self.pager.free(request.page_ids)
+            # Last page first: a cached prefix's deepest page becomes the oldest in the LRU and
+            # is evicted first, so the pages that stay keep forming a matchable prefix (freed
+            # front to back, the first page went first and orphaned all the rest).
+            self.pager.free(request.page_ids[::-1])
             request.page_ids = []
         if self.gate is not None and request.status is RequestStatus.RUNNING:
             self.gate.release(request)

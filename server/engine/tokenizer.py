@@ -3,7 +3,9 @@ detokenization with stop strings matched across token boundaries."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Any
 
 from loraplex.server.engine.request import Request
 
@@ -12,19 +14,35 @@ _CONTEXT_TOKENS = 5
 
 
 class Tokenizer:
-    """A thin wrapper over a Hugging Face fast tokenizer."""
+    """A thin wrapper over a Hugging Face fast tokenizer, safe to use from any thread.
+
+    Each thread gets its own instance, loaded from ``path`` on its first use: a fast
+    tokenizer's Rust object raises "Already borrowed" when one thread changes its settings
+    (transformers does, on a call whose truncation or padding differs from the loaded ones)
+    while another encodes or decodes, and the worker encodes prompts on the asyncio thread
+    while the engine thread decodes outputs.
+    """
 
     def __init__(self, path: str | Path) -> None:
-        from transformers import AutoTokenizer
+        self.path = str(path)
+        self._local = threading.local()
+        self.eos_token_id: int | None = self.for_this_thread().eos_token_id
 
-        self._tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
-        self.eos_token_id: int | None = self._tok.eos_token_id
+    def for_this_thread(self) -> Any:
+        """This thread's tokenizer (loaded now if the thread never used one)."""
+        tok = getattr(self._local, "tok", None)
+        if tok is None:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(self.path, trust_remote_code=False)
+            self._local.tok = tok
+        return tok
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tok(text)["input_ids"])
+        return list(self.for_this_thread()(text)["input_ids"])
 
     def decode(self, token_ids: list[int]) -> str:
-        return str(self._tok.decode(token_ids, skip_special_tokens=True))
+        return str(self.for_this_thread().decode(token_ids, skip_special_tokens=True))
 
 
 class Detokenizer:

@@ -11,7 +11,7 @@ from loraplex.server.config import EngineConfig, SchedulerConfig
 from loraplex.server.engine.engine import Engine
 from loraplex.server.engine.llm import LLM
 from loraplex.server.engine.request import Request, SamplingParams
-from loraplex.server.engine.sampler import sample
+from loraplex.server.engine.sampler import SamplingMetadata, sample
 from tests.helpers import random_prompts
 
 
@@ -47,7 +47,7 @@ def _draw(logits: torch.Tensor, params: SamplingParams, n: int) -> collections.C
     req = Request("x", [0], params, generator=torch.Generator().manual_seed(0))
     counts: collections.Counter = collections.Counter()
     for _ in range(n):
-        tokens, _ = sample(logits[None, :], [req])
+        tokens = sample(logits[None, :], SamplingMetadata.from_requests([req])).token_ids
         counts[tokens[0]] += 1
     return counts
 
@@ -78,3 +78,25 @@ def test_logprobs_of_chosen_and_top_tokens(llm):
         assert lp.token_id == token and lp.logprob <= 0.0
         assert len(lp.top) == 2 and lp.top[0][0] == token  # greedy: the top token is chosen
         assert lp.top[0][1] == pytest.approx(lp.logprob)
+
+
+def _unseeded_tokens(model, seed):
+    engine = Engine(EngineConfig(model=str(model), num_pages=64, seed=seed,
+                                 scheduler=SchedulerConfig(page_size=4)))
+    params = SamplingParams(max_tokens=16, temperature=1.5, ignore_eos=True)
+    return [c.token_ids for c in LLM(engine=engine).generate(random_prompts(3, seed=4), params)]
+
+
+def test_unseeded_requests_draw_from_the_os_unless_the_operator_sets_a_seed(tiny_llama):
+    from loraplex.server.cli import build_parser, engine_config_from_args
+
+    assert EngineConfig().seed is None
+    # Two replicas (or restarts) without --seed: different draws for unseeded requests.
+    assert _unseeded_tokens(tiny_llama, None) != _unseeded_tokens(tiny_llama, None)
+    # The same --seed: the same draws, as before.
+    args = build_parser().parse_args(["worker", "--model", str(tiny_llama), "--seed", "5"])
+    seed = engine_config_from_args(args).seed
+    assert seed == 5
+    assert _unseeded_tokens(tiny_llama, seed) == _unseeded_tokens(tiny_llama, seed)
+    unset = build_parser().parse_args(["worker", "--model", str(tiny_llama)])
+    assert engine_config_from_args(unset).seed is None

@@ -29,12 +29,15 @@ def dense_attention(q, k, v, n_ctx, scale):
     ([33], [0]),                      # one prompt spanning several pages
     ([1] * 19 + [5], [(5 * i) % 13 for i in range(19)] + [3]),  # decodes in two groups
 ])
-def test_paged_attention_matches_dense(q_lens, ctx_lens):
+# NaN: pages still hold what a failed request left (its pages are reused, and page 0 pads the
+# page tables); slots past a sequence's end must never reach its output, even times 0.
+@pytest.mark.parametrize("stale", [0.0, float("nan")])
+def test_paged_attention_matches_dense(q_lens, ctx_lens, stale):
     torch.manual_seed(0)
     rng = random.Random(0)
     page_size, num_heads, num_kv_heads, head_dim = 4, 6, 2, 8
     num_pages = 64
-    pool = torch.zeros(num_pages, kv_page_elems(page_size, num_kv_heads, head_dim))
+    pool = torch.full((num_pages, kv_page_elems(page_size, num_kv_heads, head_dim)), stale)
     free = list(range(num_pages))
     rng.shuffle(free)  # pages of one sequence are deliberately not contiguous
     tables, seq_lens, ks, vs, qs = [], [], [], [], []

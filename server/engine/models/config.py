@@ -20,6 +20,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# transformers' ACT2FN names the model serves exactly (llama.py ACTIVATIONS implements them).
+SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -53,8 +55,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: tuple[tuple[str, Any], ...] = ()  # sorted items of the HF dict
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    mlp_bias: bool = False
+    attention_bias: bool = False  # q/k/v biases (and o_proj's in Llama, see o_proj_bias)
+    mlp_bias: bool = False  # gate/up/down biases (Llama)
+    hidden_act: str = "silu"  # the MLP's activation, one of SUPPORTED_ACTIVATIONS
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
@@ -70,6 +73,9 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_kv_heads: {self.num_kv_heads} does not divide num_heads {self.num_heads}")
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"hidden_act: {self.hidden_act!r} is not supported (supported: "
+                             f"{', '.join(SUPPORTED_ACTIVATIONS)})")
         rope_type = self.rope_scaling_dict.get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope_scaling: rope_type {rope_type!r} is not supported "
@@ -78,6 +84,11 @@ class ModelConfig:
     @property
     def rope_scaling_dict(self) -> dict[str, Any]:
         return dict(self.rope_scaling)
+
+    @property
+    def o_proj_bias(self) -> bool:
+        """Llama's ``attention_bias`` covers o_proj too; Qwen2's q/k/v biases do not."""
+        return self.attention_bias and self.architecture == "llama"
 
     @property
     def q_size(self) -> int:
@@ -156,8 +167,12 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=tuple(sorted((k, _freeze(v)) for k, v in rope.items())),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            # As transformers builds each architecture: Qwen2 always has q/k/v biases,
+            # Mistral none, Llama what its config says.
+            attention_bias=(arch == "qwen2"
+                            or (arch == "llama" and bool(cfg.get("attention_bias", False)))),
+            mlp_bias=arch == "llama" and bool(cfg.get("mlp_bias", False)),
+            hidden_act=str(cfg.get("hidden_act", "silu")),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             sliding_window=int(window) if window else None,

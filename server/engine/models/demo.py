@@ -84,11 +84,14 @@ def write_random_llama(path: Path, hf_config: dict, seed: int, std: float = 0.08
         for m in ("q_proj", "k_proj", "v_proj", "o_proj"):
             d_in, d_out = shapes[m]
             tensors[p + f"self_attn.{m}.weight"] = rand(d_out, d_in)
-            if cfg.attention_bias and m != "o_proj":
+            if cfg.attention_bias and (m != "o_proj" or cfg.o_proj_bias):
                 tensors[p + f"self_attn.{m}.bias"] = rand(d_out)
         tensors[p + "mlp.gate_proj.weight"] = rand(i, h)
         tensors[p + "mlp.up_proj.weight"] = rand(i, h)
         tensors[p + "mlp.down_proj.weight"] = rand(h, i)
+        if cfg.mlp_bias:
+            for m, d_out in (("gate_proj", i), ("up_proj", i), ("down_proj", h)):
+                tensors[p + f"mlp.{m}.bias"] = rand(d_out)
         tensors[p + "input_layernorm.weight"] = 1.0 + rand(h)
         tensors[p + "post_attention_layernorm.weight"] = 1.0 + rand(h)
     tensors["model.norm.weight"] = 1.0 + rand(h)

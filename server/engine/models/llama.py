@@ -7,6 +7,7 @@ is four matrix multiplies; LoRA deltas are added to the fused outputs slice by s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -46,6 +47,25 @@ class LayerWeights:
     post_norm: torch.Tensor  # [hidden]
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
     down: torch.Tensor  # [hidden, intermediate]
+    o_bias: torch.Tensor | None = None  # [hidden] (Llama with attention_bias)
+    gate_up_bias: torch.Tensor | None = None  # [2 * intermediate] (mlp_bias)
+    down_bias: torch.Tensor | None = None  # [hidden] (mlp_bias)
+
+
+def _gelu_new(x: torch.Tensor) -> torch.Tensor:
+    # transformers' NewGELUActivation, written as it writes it (not F.gelu's tanh kernel).
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3.0))))
+
+
+# The MLP activations by transformers' ACT2FN name (config.SUPPORTED_ACTIVATIONS).
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": _gelu_new,
+    "relu": F.relu,
+}
 
 
 def onednn_linear_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -97,6 +117,7 @@ class LlamaModel:
         self.device = embed.device
         self.rope = RotaryEmbedding(config, self.dtype, self.device)
         self.scale = config.head_dim ** -0.5
+        self.act = ACTIVATIONS[config.hidden_act]
         if onednn_linear_supported(self.dtype, self.device):
             # Packed in place, so the dense copies are freed (a tied lm_head gets its own).
             for w in layers:
@@ -124,17 +145,17 @@ class LlamaModel:
             ctx.write_kv(pool, k, v, ctx.attn.slot_mapping, ctx.page_size)
             attn = ctx.attention(q, pool, ctx.attn, ctx.page_size, cfg.num_kv_heads, self.scale)
             attn = attn.reshape(num_tokens, cfg.q_size)
-            o = linear(attn, w.o)
+            o = linear(attn, w.o, w.o_bias)
             if ctx.lora is not None:
                 ctx.lora(i, "o", attn, o)
             hidden = hidden + o
             x = rms_norm(hidden, w.post_norm, cfg.rms_norm_eps)
-            gate_up = linear(x, w.gate_up)  # [T, 2 * intermediate]
+            gate_up = linear(x, w.gate_up, w.gate_up_bias)  # [T, 2 * intermediate]
             if ctx.lora is not None:
                 ctx.lora(i, "gate_up", x, gate_up)
             gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate) * up
-            down = linear(act, w.down)
+            act = self.act(gate) * up
+            down = linear(act, w.down, w.down_bias)
             if ctx.lora is not None:
                 ctx.lora(i, "down", act, down)
             hidden = hidden + down

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 from pathlib import Path
 
 import torch
@@ -12,8 +11,6 @@ from safetensors import safe_open
 
 from loraplex.server.engine.models.config import ModelConfig
 from loraplex.server.engine.models.llama import LayerWeights, LlamaModel
-
-logger = logging.getLogger(__name__)
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -51,30 +48,42 @@ def load_weights(path: str | Path, config: ModelConfig, dtype: torch.dtype,
             raise ValueError(f"{path}: weight {name!r} is missing")
         return tensors.pop(name).to(device=device, dtype=dtype)
 
+    def take_cat(names: list[str]) -> torch.Tensor:
+        return torch.cat([take(n) for n in names])
+
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        qkv = torch.cat([take(p + f"self_attn.{m}.weight") for m in ("q_proj", "k_proj",
-                                                                    "v_proj")])
-        bias = None
-        if config.attention_bias:
-            bias = torch.cat([take(p + f"self_attn.{m}.bias") for m in ("q_proj", "k_proj",
-                                                                       "v_proj")])
+        attn = [p + f"self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj")]
+        mlp = [p + f"mlp.{m}" for m in ("gate_proj", "up_proj")]
         layers.append(LayerWeights(
             input_norm=take(p + "input_layernorm.weight"),
-            qkv=qkv,
-            qkv_bias=bias,
+            qkv=take_cat([n + ".weight" for n in attn]),
+            qkv_bias=take_cat([n + ".bias" for n in attn]) if config.attention_bias else None,
             o=take(p + "self_attn.o_proj.weight"),
+            o_bias=take(p + "self_attn.o_proj.bias") if config.o_proj_bias else None,
             post_norm=take(p + "post_attention_layernorm.weight"),
-            gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+            gate_up=take_cat([n + ".weight" for n in mlp]),
+            gate_up_bias=take_cat([n + ".bias" for n in mlp]) if config.mlp_bias else None,
             down=take(p + "mlp.down_proj.weight"),
+            down_bias=take(p + "mlp.down_proj.bias") if config.mlp_bias else None,
         ))
     embed = take("model.embed_tokens.weight")
     lm_head = embed if config.tie_word_embeddings else take("lm_head.weight")
+    if config.tie_word_embeddings and "lm_head.weight" in tensors:
+        # Tied: transformers uses the embedding; a copy of it is harmless, anything else not.
+        if not torch.equal(take("lm_head.weight"), embed):
+            raise ValueError(f"{path}: weight 'lm_head.weight' differs from the embedding, but "
+                             "tie_word_embeddings is true")
     norm = take("model.norm.weight")
-    leftover = [n for n in tensors if "rotary_emb" not in n]
+    # rotary_emb.inv_freq buffers (older checkpoints) are derived from the config; anything
+    # else left over is a weight the model would silently not apply.
+    leftover = sorted(n for n in tensors if not n.endswith("rotary_emb.inv_freq"))
     if leftover:
-        logger.warning("%s: %d unused weights, e.g. %s", path, len(leftover), leftover[:3])
+        more = f" and {len(leftover) - 3} more" if len(leftover) > 3 else ""
+        raise ValueError(f"{path}: checkpoint tensor {leftover[0]!r} is not used by this "
+                         f"{config.architecture} model (unused: {', '.join(leftover[:3])}{more});"
+                         " refusing to serve it wrong")
     return LlamaModel(config, embed, layers, norm, lm_head)
 
 
