@@ -32,6 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Serve the public API on --host:--port with one in-process worker.")
     add_engine_args(serve)
     _add_listen_args(serve, port=50051, metrics_port=9400)
+    _add_http_args(serve)
     _add_tls_args(serve)
     _add_store_arg(serve)
     _add_key_args(serve)
@@ -47,6 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "gateway", help="the public API in front of workers",
         description="Route the public API to workers with adapter affinity.")
     _add_listen_args(gateway, port=50051, metrics_port=9400)
+    _add_http_args(gateway)
     _add_tls_args(gateway)
     gateway.add_argument("--workers", default="",
                          help="HOST:PORT,... or a DNS name resolving to many (headless service)")
@@ -117,6 +119,18 @@ def _add_listen_args(parser: argparse.ArgumentParser, port: int, metrics_port: i
     parser.add_argument("--port", type=int, default=port, help="gRPC port (0: any free port)")
     parser.add_argument("--metrics-port", type=int, default=metrics_port,
                         help="Prometheus /metrics port (0: any free port, -1: none)")
+
+
+def _add_http_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--http-port", type=int, default=8000,
+                        help="OpenAI-compatible HTTP API port (0: any free port, -1: off)")
+    parser.add_argument("--served-model-name", default="",
+                        help="the base model's name in the HTTP API's 'model' field (default: "
+                             "the model folder's name)")
+    parser.add_argument("--http-timeout-seconds", type=float, default=600.0,
+                        help="deadline of each HTTP request (504 past it)")
+    parser.add_argument("--chat-default-max-tokens", type=int, default=1024,
+                        help="max_tokens of a chat request that gives none")
 
 
 def _add_tls_args(parser: argparse.ArgumentParser) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import signal
 from collections.abc import Callable, Coroutine
@@ -58,8 +59,17 @@ def _key_ring(args: argparse.Namespace) -> KeyRing:
     return KeyRing(path=args.api_keys, text=args.api_key_hashes)
 
 
+def served_model_name(model: str) -> str:
+    """The base model's default HTTP ``model`` name: its folder's (or file's) name, or the
+    built-in model's (``demo``, ``smollm2``)."""
+    from pathlib import Path
+
+    path = Path(model.rstrip("/"))
+    return (path.stem if path.suffix == ".gguf" else path.name) or model
+
+
 def _gateway_config(args: argparse.Namespace, workers: tuple[str, ...], max_rank: int,
-                    metrics_port: int | None) -> GatewayConfig:
+                    metrics_port: int | None, model: str) -> GatewayConfig:
     from loraplex.server.gateway import GatewayConfig
     from loraplex.server.tls import server_tls
 
@@ -75,7 +85,11 @@ def _gateway_config(args: argparse.Namespace, workers: tuple[str, ...], max_rank
         tenant_max_concurrency=args.tenant_max_concurrency,
         tenant_tokens_per_minute=args.tenant_tokens_per_minute,
         quota_lease_seconds=args.quota_lease_seconds,
-        tls=server_tls(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file))
+        tls=server_tls(args.tls_cert_file, args.tls_key_file, args.tls_client_ca_file),
+        http_port=args.http_port,
+        served_model_name=args.served_model_name or served_model_name(model),
+        http_timeout_seconds=args.http_timeout_seconds,
+        chat_default_max_tokens=args.chat_default_max_tokens)
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -92,7 +106,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     engine_config = engine_config_from_args(args)
     keys = _key_ring(args)
-    early = _gateway_config(args, ("-",), engine_config.max_rank, None)
+    early = _gateway_config(args, ("-",), engine_config.max_rank, None, engine_config.model)
     check_exposure(early, keys)
     if early.tls is not None:
         early.tls.credentials()  # bad TLS files fail now, not after the engine is built
@@ -107,7 +121,8 @@ async def serve(args: argparse.Namespace) -> int:
                                                worker_id="local"), registry)
     await worker.start()
     # One /metrics server for the gateway and the worker together (one registry).
-    config = _gateway_config(args, (worker.address,), engine_config.max_rank, None)
+    config = _gateway_config(args, (worker.address,), engine_config.max_rank, None,
+                             engine_config.model)
     gateway = Gateway(config, store, base, keys, registry,
                       open_quota_backend(spec, config.quota_lease_seconds))
     await gateway.start(wait_for_workers=10.0)
@@ -124,7 +139,8 @@ async def serve(args: argparse.Namespace) -> int:
 
     _on_signals(drain, stop, keys.reload)
     _print_ready(gateway.address, engine_config.model, spec, keys.keyless,
-                 metrics.port if metrics else None, args.host, config.tls is not None)
+                 metrics.port if metrics else None, args.host, config.tls is not None,
+                 gateway.http_url, config.served_model_name)
     try:
         await gateway.wait()
         await worker.wait()
@@ -137,10 +153,14 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def _print_ready(address: str, model: str, store: str, keyless: bool, metrics_port: int | None,
-                 host: str, tls: bool = False) -> None:
+                 host: str, tls: bool = False, http_url: str | None = None,
+                 served_name: str = "") -> None:
     scheme = "TLS" if tls else "plaintext"
     lines = [f"loraplex serving {model} on {address} ({scheme}, adapter store "
              f"{redact(store)})"]
+    if http_url is not None:
+        lines.append(f"OpenAI HTTP API: {http_url}/v1 (model {served_name!r} or an adapter's "
+                     "name)")
     if metrics_port is not None:
         lines.append(f"metrics: http://{host}:{metrics_port}/metrics")
     if keyless:
@@ -159,6 +179,11 @@ def _print_ready(address: str, model: str, store: str, keyless: bool, metrics_po
         f"-d '{{\"text\": \"{EXAMPLE_PROMPT}\"}}' {address} "
         "loraplex.v1.Generation/GenerateStream",
     ]
+    if http_url is not None:
+        auth = "" if keyless else " -H \"Authorization: Bearer $LORAPLEX_API_KEY\""
+        body = json.dumps({"model": served_name, "prompt": EXAMPLE_PROMPT, "max_tokens": 16})
+        lines.append(f"  curl {http_url}/v1/completions{auth} -H 'Content-Type: "
+                     f"application/json' -d '{body}'")
     print("\n".join(lines), flush=True)
 
 
@@ -175,7 +200,7 @@ async def gateway(args: argparse.Namespace) -> int:
     base = base_model_config(args.model)
     spec = _store_spec(args)
     store = open_store(spec, base)
-    config = _gateway_config(args, workers, args.max_rank, _metrics_port(args))
+    config = _gateway_config(args, workers, args.max_rank, _metrics_port(args), args.model)
     gateway = Gateway(config, store, base, keys,
                       quota_backend=open_quota_backend(spec, config.quota_lease_seconds))
     await gateway.start(wait_for_workers=5.0)
@@ -183,6 +208,9 @@ async def gateway(args: argparse.Namespace) -> int:
     print(f"loraplex gateway listening on {gateway.address} ("
           f"{'TLS' if config.tls else 'plaintext'}, {len(workers)} worker targets, "
           f"adapter store {redact(spec)})", flush=True)
+    if gateway.http_url is not None:
+        print(f"OpenAI HTTP API: {gateway.http_url}/v1 (model {config.served_model_name!r})",
+              flush=True)
     try:
         await gateway.wait()
     finally:
