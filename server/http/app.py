@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
@@ -47,6 +48,7 @@ from loraplex.server.http.schema import BadRequest, chat_request, completion_req
 from loraplex.server.worker import MAX_MESSAGE_BYTES
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 SSE_PING_SECONDS = 15
 
 
@@ -265,28 +267,27 @@ class OpenAIApp:
         chunks = merge([self.service.generate_stream(g, call) for g in gens])
         created = int(time.time())
         shape = _Shape(response_id, created, model, chat)
-        if not stream:
-            try:
-                results = await until_disconnect(request, _gather(chunks, len(gens)))
-            except ServiceError as exc:
-                return self._error(exc, model)
-            except ClientGone:
-                return Response(status_code=499)
-            return JSONResponse(shape.whole(results))
         try:
+            if not stream:  # _gather closes the chunks
+                results = await until_disconnect(request, _gather(chunks, len(gens)))
+                return JSONResponse(shape.whole(results))
             first = await until_disconnect(request, anext(chunks))
         except ServiceError as exc:
             await chunks.aclose()
             return self._error(exc, model)
         except (ClientGone, StopAsyncIteration):
             await chunks.aclose()
-            return Response(status_code=499)
-        return EventSourceResponse(self._events(first, chunks, shape, len(gens), include_usage),
+            return Response(status_code=499)  # nobody is left to read it
+        except Exception:
+            await chunks.aclose()
+            logger.exception("%s: failed", response_id)
+            return error_response(500, "internal error (logged by the gateway)", "server_error")
+        return EventSourceResponse(self._events(first, chunks, shape, include_usage),
                                    ping=SSE_PING_SECONDS)
 
     async def _events(self, first: tuple[int, GenerateChunk],
                       chunks: AsyncGenerator[tuple[int, GenerateChunk], None], shape: _Shape,
-                      num_choices: int, include_usage: bool) -> AsyncIterator[dict[str, str]]:
+                      include_usage: bool) -> AsyncIterator[dict[str, str]]:
         usages: list[Usage] = []
 
         def event(obj: dict[str, Any]) -> dict[str, str]:
