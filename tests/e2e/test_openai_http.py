@@ -126,6 +126,26 @@ def test_streaming_with_usage_equals_the_whole_response(cluster: Cluster) -> Non
     assert plain and all(c.usage is None and c.choices for c in plain)
 
 
+def test_streaming_a_list_of_prompts_interleaves_their_choices(cluster: Cluster) -> None:
+    client = oai(cluster)
+    prompts = ["first prompt", "the second one", "third"]
+    whole = client.completions.create(model="private", prompt=prompts, max_tokens=6,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    texts = ["", "", ""]
+    finished = []
+    for chunk in client.completions.create(model="private", prompt=prompts, max_tokens=6,
+                                           temperature=0, stream=True,
+                                           stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True}):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            if choice.finish_reason:
+                finished.append(choice.index)
+        usage = chunk.usage
+    assert texts == [c.text for c in whole.choices] and sorted(finished) == [0, 1, 2]
+    assert usage is not None and usage.completion_tokens == 18
+
+
 def test_logprobs_stop_and_seed(cluster: Cluster) -> None:
     client = oai(cluster)
     got = client.completions.create(model=BASE, prompt=PROMPT, max_tokens=4, temperature=0,

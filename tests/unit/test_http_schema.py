@@ -72,3 +72,28 @@ def test_json_bounds() -> None:
             MAX_JSON_DEPTH + 1), b"[" * 100000):
         with pytest.raises(BadRequest):
             parse_json(body)
+
+
+def test_chat_objects_parse_as_the_openai_client_types() -> None:
+    """Chat cannot run end to end until the worker renders messages: check the objects the
+    HTTP layer builds against the official client's own models instead."""
+    openai_types = pytest.importorskip("openai.types.chat")
+    from loraplex.server.api import Completion, GenerateChunk, Usage
+    from loraplex.server.engine.request import TokenLogprob
+    from loraplex.server.http.app import _Shape
+
+    shape = _Shape("chatcmpl-1", 1700000000, "mylora@2", chat=True)
+    lps = [TokenLogprob(5, -0.1, ((5, -0.1), (7, -2.5)))]
+    whole = openai_types.ChatCompletion.model_validate(shape.whole([Completion(
+        "r", [5], "Hi", lps, "stop", Usage(10, 1, 8))]))
+    assert whole.choices[0].message.content == "Hi" and whole.choices[0].finish_reason == "stop"
+    assert whole.usage is not None and whole.usage.prompt_tokens_details is not None
+    assert whole.usage.prompt_tokens_details.cached_tokens == 8
+    assert whole.choices[0].logprobs is not None and whole.choices[0].logprobs.content
+    assert whole.choices[0].logprobs.content[0].top_logprobs[1].token == "token_id:7"
+    first = openai_types.ChatCompletionChunk.model_validate(
+        shape.chunk(0, {"role": "assistant", "content": ""}, None, None))
+    assert first.choices[0].delta.role == "assistant"
+    last = openai_types.ChatCompletionChunk.model_validate(
+        shape.delta(0, GenerateChunk("r", [5], "!", lps, "length")))
+    assert last.choices[0].delta.content == "!" and last.choices[0].finish_reason == "length"
