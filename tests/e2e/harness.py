@@ -77,6 +77,7 @@ class Cluster:
                  engine: dict[str, Any] | None = None, worker: dict[str, Any] | None = None,
                  gateway: dict[str, Any] | None = None) -> None:
         self.loop = LoopThread()
+        self.model_dir = model_dir
         self.base = ModelConfig.from_pretrained(model_dir)
         spec = store_dir if isinstance(store_dir, str) else f"fs:{store_dir}"
         self.store: AdapterStore = open_store(spec, self.base)

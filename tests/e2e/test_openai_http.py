@@ -19,8 +19,11 @@ from openai import OpenAI
 
 from loraplex.server.client import Client
 from loraplex.server.commands import write_demo_adapter
+from loraplex.server.engine.engine import Engine
+from loraplex.server.engine.llm import LLM
+from loraplex.server.engine.request import SamplingParams
 from loraplex.server.http.schema import MAX_JSON_DEPTH
-from tests.e2e.harness import REPO, Cluster, read_line, wait_for, write_keys
+from tests.e2e.harness import REPO, Cluster, engine_config, read_line, wait_for, write_keys
 
 KEYS = {"acme-key-0123456789": ("acme", False), "globex-key-0123456789": ("globex", False),
         "tight-key-0123456789": ("tight", False)}
@@ -82,6 +85,17 @@ def test_completion_greedy_tokens_equal_grpc(cluster: Cluster) -> None:
             assert got.usage.prompt_tokens_details is not None
             # The same prompt just ran over gRPC: its full pages come from the prefix cache.
             assert got.usage.prompt_tokens_details.cached_tokens > 0
+        # And the offline engine, on the same weights (the adapter by its digest).
+        digest = cluster.store.resolve("acme", "private@1").digest
+        offline = LLM(engine=Engine(engine_config(cluster.model_dir),
+                                    adapter_source=cluster.store))
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        for adapter, model in ((None, BASE), (digest, "private@1")):
+            want_ids = offline.generate([PROMPT], params, adapters=[adapter])[0].token_ids
+            got = client.completions.create(model=model, prompt=PROMPT, max_tokens=8,
+                                            temperature=0, logprobs=0,
+                                            extra_body={"ignore_eos": True})
+            assert token_ids(got.choices[0].logprobs) == want_ids, model
         # Adapters change the output: the names really reach different weights.
         base = client.completions.create(model=BASE, prompt=PROMPT, max_tokens=8,
                                          temperature=0, extra_body={"ignore_eos": True})
