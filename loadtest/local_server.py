@@ -68,7 +68,7 @@ class LocalServer:
         log = open(self.log_path, "w")
         cmd = [sys.executable, "-m", "loraplex.server.cli", "serve", "--model", self.model,
                "--host", "127.0.0.1", "--port", str(self.port), "--metrics-port", "-1",
-               *self.serve_args]
+               "--http-port", "-1", *self.serve_args]
         self._proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         try:

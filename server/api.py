@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 import grpc
 
@@ -23,7 +24,8 @@ class ServiceError(Exception):
     """A call ends with this gRPC status code and message.
 
     Raised by the gateway and worker implementations (the conversion layer turns it into the
-    call's status) and by the client (from the status the server sent).
+    call's status, the HTTP layer into an OpenAI error) and by the client (from the status the
+    server sent).
 
     Attributes:
         origin: raising side: ``ORIGIN_SERVER`` for a refusal of any work, else the request's
@@ -32,15 +34,35 @@ class ServiceError(Exception):
             came from the transport (connection refused or reset, a killed process), not from
             a loraplex handler.
         cause: a short label for the failure metrics (``""``: the code says it all).
+        retry_after_seconds: when a retry may succeed (RESOURCE_EXHAUSTED: quotas, full
+            queues); the HTTP API sends it as ``Retry-After``.
     """
 
     def __init__(self, code: grpc.StatusCode, message: str, *, origin: str | None = None,
-                 cause: str = "") -> None:
+                 cause: str = "", retry_after_seconds: float | None = None) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
         self.origin = origin
         self.cause = cause
+        self.retry_after_seconds = retry_after_seconds
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One message of a chat prompt; the worker renders the messages with the model's chat
+    template."""
+
+    role: str
+    content: str
+
+
+Prompt = str | tuple[int, ...] | tuple[ChatMessage, ...]
+
+
+def is_messages(prompt: object) -> TypeGuard[tuple[ChatMessage, ...]]:
+    """Whether a prompt is chat messages (rather than text or token ids)."""
+    return isinstance(prompt, tuple) and bool(prompt) and isinstance(prompt[0], ChatMessage)
 
 
 @dataclass(frozen=True)
@@ -48,13 +70,13 @@ class GenerateRequest:
     """A public generation request.
 
     Attributes:
-        prompt: text, or token ids.
+        prompt: text, token ids, or chat messages.
         params: sampling parameters.
         adapter: ``"name"``, ``"name@version"`` or ``""`` for the base model.
         request_id: echoed back in every chunk; the gateway assigns one when empty.
     """
 
-    prompt: str | tuple[int, ...]
+    prompt: Prompt
     params: SamplingParams = field(default_factory=SamplingParams)
     adapter: str = ""
     request_id: str = ""
@@ -67,7 +89,7 @@ class WorkerRequest:
 
     request_id: str
     tenant: str
-    prompt: str | tuple[int, ...]
+    prompt: Prompt
     params: SamplingParams
     adapter_digest: str | None = None
 

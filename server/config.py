@@ -245,9 +245,24 @@ class GatewayConfig:
     quota_lease_seconds: float = setting(
         15.0, "with a Redis store: how long a crashed gateway's quota slots stay taken, at "
         "most", unit="seconds")
+    http_port: int = setting(8000, "OpenAI-compatible HTTP API port (0: any free port, -1: off)")
+    served_model_name: str = setting(
+        "", "the base model's name in the HTTP API's model field",
+        default_text="the model folder's name (demo, smollm2)")
+    http_timeout_seconds: float = setting(
+        600.0, "the deadline of each HTTP request (HTTP has none of its own; 504 past it)",
+        unit="seconds")
+    chat_default_max_tokens: int = setting(
+        1024, "max_tokens of a chat request that gives none", unit="tokens")
 
     def __post_init__(self) -> None:
         _check_ports(self)
+        if not -1 <= self.http_port < 65536:
+            raise ValueError(f"http_port: must be in [0, 65535] or -1 (off), got {self.http_port}")
+        if not self.http_timeout_seconds > 0:
+            raise ValueError("http_timeout_seconds: must be > 0")
+        if len(self.served_model_name) > 160:
+            raise ValueError("served_model_name: at most 160 characters")
         if not self.load_factor >= 1.0:
             raise ValueError(f"load_factor: must be >= 1, got {self.load_factor}")
         if not 0 < self.status_interval <= 0.25:
@@ -255,7 +270,7 @@ class GatewayConfig:
         if self.dns_refresh <= 0 or self.drain_grace < 0:
             raise ValueError("dns_refresh must be > 0, drain_grace >= 0")
         for name in ("max_prompt_bytes", "max_prompt_tokens", "max_tokens_limit",
-                     "max_upload_bytes", "max_rank"):
+                     "max_upload_bytes", "max_rank", "chat_default_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
         for name in ("tenant_max_concurrency", "tenant_tokens_per_minute"):

@@ -42,6 +42,7 @@ from loraplex.server.api import (
     FileHeader,
     GenerateChunk,
     GenerateRequest,
+    Prompt,
     ServiceError,
     Timing,
     UploadMetadata,
@@ -49,6 +50,7 @@ from loraplex.server.api import (
     Usage,
     WorkerRequest,
     WorkerStatus,
+    is_messages,
 )
 from loraplex.server.engine.request import SamplingParams, TokenLogprob
 from loraplex.server.quote import cap_message
@@ -102,11 +104,18 @@ def _prompt_from_pb(m: Any) -> str | tuple[int, ...]:
     raise ValueError("prompt: set either text or token_ids")
 
 
-def _set_prompt(m: Any, prompt: str | tuple[int, ...] | list[int]) -> None:
+def _set_prompt(m: Any, prompt: Prompt | list[int]) -> None:
     if isinstance(prompt, str):
         m.text = prompt
+    elif is_messages(prompt):
+        raise ValueError("messages: the worker API cannot carry chat messages yet")
     else:
         m.token_ids.ids.extend(prompt)
+
+
+def carries_messages() -> bool:
+    """Whether the worker API's prompt can carry chat messages (the chat issue adds them)."""
+    return "messages" in worker_pb2.WorkerGenerateRequest.DESCRIPTOR.fields_by_name
 
 
 def generate_request_from_pb(m: generation_pb2.GenerateRequest) -> GenerateRequest:

@@ -1,6 +1,9 @@
 """The gateway: the public ``Generation`` and ``Adapters`` services in front of the workers.
 
-A request's way through it (``GenerationService.generate_stream``):
+A request's way through it (``GenerationService.generate_stream``, the one path below the
+edge for both wires: the gRPC servicer in ``convert.py`` and the OpenAI HTTP API in
+``server/http/`` each turn their message into a ``GenerateRequest`` and call it with their
+call's ``CallContext``):
 
 1. Authenticate the API key (``auth.KeyRing``): the key names the tenant.
 2. Bound every field that needs no tokenizer (prompt bytes, max_tokens, stop strings,
@@ -29,8 +32,9 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterable
 from dataclasses import replace
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -41,6 +45,7 @@ from loraplex.server import convert
 from loraplex.server.api import (
     ORIGIN_REQUEST,
     ORIGIN_SERVER,
+    ChatMessage,
     Completion,
     GenerateChunk,
     GenerateRequest,
@@ -48,6 +53,7 @@ from loraplex.server.api import (
     Timing,
     Usage,
     WorkerRequest,
+    is_messages,
 )
 from loraplex.server.auth import KeyRing
 from loraplex.server.config import GatewayConfig
@@ -59,11 +65,20 @@ from loraplex.server.quota import LocalQuotaBackend, QuotaBackend, Quotas, Ticke
 from loraplex.server.quote import quote
 from loraplex.server.worker import format_address, grpc_server_options
 
+if TYPE_CHECKING:
+    from loraplex.server.http.server import HttpServer
+
 logger = logging.getLogger(__name__)
 
 MAX_STOP_TOKEN_IDS = 64
 MAX_REQUEST_ID_CHARS = 128
 MAX_ADAPTER_REF_CHARS = 160
+MAX_CHAT_MESSAGES = 1024
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# A full worker queue suggests this wait before a retry (RESOURCE_EXHAUSTED, HTTP 429).
+QUEUE_FULL_RETRY_AFTER_SECONDS = 1.0
+# The base model's ``model`` name on the HTTP API when the commands give none.
+DEFAULT_SERVED_NAME = "base"
 # Statuses after which the request may go to another worker (if no token was sent yet).
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 # A stream that breaks after its first token with one of these, not as the request's own
@@ -89,6 +104,8 @@ def check_bounds(request: GenerateRequest, config: GatewayConfig) -> None:
             raise bad("prompt: must not be empty")
         if size > config.max_prompt_bytes:
             raise bad(f"prompt: {size} bytes, over the limit of {config.max_prompt_bytes}")
+    elif is_messages(prompt):
+        check_messages(prompt, config)
     else:
         if not prompt:
             raise bad("prompt: must not be empty")
@@ -107,6 +124,44 @@ def check_bounds(request: GenerateRequest, config: GatewayConfig) -> None:
         raise bad(f"adapter: at most {MAX_ADAPTER_REF_CHARS} characters")
 
 
+def check_messages(messages: tuple[ChatMessage, ...], config: GatewayConfig) -> None:
+    """Bound a chat prompt: roles, the number of messages and their bytes together.
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT naming the field.
+    """
+    def bad(message: str) -> ServiceError:
+        return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+    if len(messages) > MAX_CHAT_MESSAGES:
+        raise bad(f"messages: at most {MAX_CHAT_MESSAGES} messages")
+    size = 0
+    for i, m in enumerate(messages):
+        if not isinstance(m, ChatMessage):
+            raise bad(f"messages[{i}]: must be a chat message")
+        if m.role not in CHAT_ROLES:
+            raise bad(f"messages[{i}].role: must be one of {', '.join(CHAT_ROLES)}, "
+                      f"got {m.role!r}")
+        size += len(m.content.encode("utf-8", "surrogatepass"))
+    if size > config.max_prompt_bytes:
+        raise bad(f"messages: {size} bytes of content, over the limit of "
+                  f"{config.max_prompt_bytes}")
+    if not convert.carries_messages():
+        raise bad("messages: chat needs the messages prompt of the worker API, which this "
+                  "build does not have yet; send a text prompt to /v1/completions")
+
+
+class CallContext(Protocol):
+    """What the service needs of a call, whichever wire it came on (a
+    ``grpc.aio.ServicerContext`` is one; the HTTP API makes its own)."""
+
+    def invocation_metadata(self) -> Iterable[tuple[str, str | bytes]] | None:
+        """The call's headers (``authorization`` among them), names in lower case."""
+
+    def time_remaining(self) -> float | None:
+        """Seconds to the call's deadline (None: no deadline)."""
+
+
 class GenerationService:
     """The ``Generation`` service's implementation (see the module docstring)."""
 
@@ -123,7 +178,7 @@ class GenerationService:
         self._idle = asyncio.Event()
         self._idle.set()
 
-    def authenticate(self, context: grpc.aio.ServicerContext) -> str:
+    def authenticate(self, context: CallContext) -> str:
         """The caller's tenant (checked before the request's fields are looked at).
 
         Raises:
@@ -135,8 +190,7 @@ class GenerationService:
         """Count a request refused before ``generate_stream`` (a bad key or message)."""
         StreamTimer(self.metrics).finish(tenant, error.code.name, _cause(error))
 
-    async def generate(self, request: GenerateRequest, context: grpc.aio.ServicerContext
-                       ) -> Completion:
+    async def generate(self, request: GenerateRequest, context: CallContext) -> Completion:
         """The whole completion (the stream, gathered)."""
         result = Completion(request_id=request.request_id)
         async with contextlib.aclosing(self.generate_stream(request, context)) as chunks:
@@ -145,10 +199,13 @@ class GenerationService:
                 result.add(chunk)
         return result
 
-    async def generate_stream(self, request: GenerateRequest,
-                              context: grpc.aio.ServicerContext
+    async def generate_stream(self, request: GenerateRequest, context: CallContext
                               ) -> AsyncGenerator[GenerateChunk, None]:
-        """Authenticate, bound, resolve, admit, route and proxy one request."""
+        """Authenticate, bound, resolve, admit, route and proxy one request.
+
+        Raises:
+            ServiceError: the request's status (before or after its first chunk).
+        """
         timer = StreamTimer(self.metrics)
         tenant, code, cause = "unauthenticated", "CANCELLED", "cancelled"
         ticket: Ticket | None = None
@@ -216,7 +273,7 @@ class GenerationService:
                                cause="store") from None
         return record.digest
 
-    async def _proxy(self, request: WorkerRequest, ref: str, context: grpc.aio.ServicerContext,
+    async def _proxy(self, request: WorkerRequest, ref: str, context: CallContext,
                      timer: StreamTimer) -> AsyncGenerator[GenerateChunk, None]:
         tried: set[str] = set()
         last_error: ServiceError | None = None
@@ -228,7 +285,8 @@ class GenerationService:
                 if choice.decision == "full":
                     raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                        "every worker's queue is full; retry later",
-                                       cause="overloaded")
+                                       cause="overloaded",
+                                       retry_after_seconds=QUEUE_FULL_RETRY_AFTER_SECONDS)
                 raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no worker is available",
                                    cause="no_worker")
             address = choice.addresses[0]
@@ -302,7 +360,8 @@ def _request_error(exc: ServiceError, ref: str) -> ServiceError:
 
 class Gateway:
     """A gateway's servers: ``Generation`` + ``Adapters`` + health + reflection over gRPC,
-    the worker pool, and ``/metrics``.
+    the OpenAI-compatible HTTP API (``server/http/``, unless ``http_port`` is -1), the worker
+    pool, and ``/metrics``.
 
     Args:
         config: the gateway's settings.
@@ -340,6 +399,15 @@ class Gateway:
         self._health: convert.HealthReporter | None = None
         self._metrics_server: MetricsServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self.http: HttpServer | None = None
+        if config.http_port >= 0:
+            from loraplex.server.http.app import OpenAIApp
+            from loraplex.server.http.server import HttpServer
+
+            api = OpenAIApp(self.generation, config.served_model_name or DEFAULT_SERVED_NAME,
+                            config.http_timeout_seconds, config.chat_default_max_tokens,
+                            ready=self._ready)
+            self.http = HttpServer(api.app, config.host, config.http_port, config.tls)
 
     @property
     def address(self) -> str:
@@ -348,6 +416,14 @@ class Gateway:
     @property
     def metrics_port(self) -> int | None:
         return self._metrics_server.port if self._metrics_server else None
+
+    @property
+    def http_url(self) -> str | None:
+        """The HTTP API's base URL (``http[s]://host:port``; None: off)."""
+        return self.http.url if self.http is not None else None
+
+    def _ready(self) -> bool:
+        return self.pool.num_healthy > 0 and not self.generation.draining
 
     def _quota_refused(self, tenant: str, limit: str) -> None:
         self.metrics.quota_refusals.labels(tenant=tenant, limit=limit).inc()
@@ -377,6 +453,8 @@ class Gateway:
         await self.pool.start()
         await server.start()
         self._server = server
+        if self.http is not None:
+            await self.http.start()
         if self.config.metrics_port is not None:
             self._metrics_server = MetricsServer(self.registry, self.config.host,
                                                  self.config.metrics_port)
@@ -411,6 +489,8 @@ class Gateway:
 
     async def stop(self) -> None:
         """Stop at once: open calls are cancelled."""
+        if self.http is not None:
+            await self.http.stop()
         if self._server is not None:
             await self._server.stop(grace=1.0)
             self._server = None

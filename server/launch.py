@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import signal
 from collections.abc import Callable, Coroutine
@@ -80,10 +81,23 @@ def _key_ring(config: GatewayConfig) -> KeyRing:
     return KeyRing(path=config.api_keys, text=config.api_key_hashes)
 
 
+def served_model_name(model: str) -> str:
+    """The base model's default HTTP ``model`` name: its folder's (or file's) name, or the
+    built-in model's (``demo``, ``smollm2``)."""
+    from pathlib import Path
+
+    path = Path(model.rstrip("/"))
+    return (path.stem if path.suffix == ".gguf" else path.name) or model
+
+
 def _gateway_config(args: argparse.Namespace, **overrides: Any) -> GatewayConfig:
+    import dataclasses
+
     from loraplex.server.config import GatewayConfig
 
     config: GatewayConfig = from_args(GatewayConfig, args, **overrides)
+    if not config.served_model_name:
+        config = dataclasses.replace(config, served_model_name=served_model_name(config.model))
     return config
 
 
@@ -136,7 +150,8 @@ async def serve(args: argparse.Namespace) -> int:
     fatal.stop = stop
     _on_signals(drain, stop, keys.reload)
     _print_ready(gateway.address, engine_config.model, spec, keys.keyless,
-                 metrics.port if metrics else None, config.host, config.tls is not None)
+                 metrics.port if metrics else None, config.host, config.tls is not None,
+                 gateway.http_url, config.served_model_name)
     try:
         await gateway.wait()
         await worker.wait()
@@ -149,10 +164,14 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def _print_ready(address: str, model: str, store: str, keyless: bool, metrics_port: int | None,
-                 host: str, tls: bool = False) -> None:
+                 host: str, tls: bool = False, http_url: str | None = None,
+                 served_name: str = "") -> None:
     scheme = "TLS" if tls else "plaintext"
     lines = [f"loraplex serving {model} on {address} ({scheme}, adapter store "
              f"{redact(store)})"]
+    if http_url is not None:
+        lines.append(f"OpenAI HTTP API: {http_url}/v1 (model {served_name!r} or an adapter's "
+                     "name)")
     if metrics_port is not None:
         lines.append(f"metrics: http://{host}:{metrics_port}/metrics")
     if keyless:
@@ -171,6 +190,11 @@ def _print_ready(address: str, model: str, store: str, keyless: bool, metrics_po
         f"-d '{{\"text\": \"{EXAMPLE_PROMPT}\"}}' {address} "
         "loraplex.v1.Generation/GenerateStream",
     ]
+    if http_url is not None:
+        auth = "" if keyless else " -H \"Authorization: Bearer $LORAPLEX_API_KEY\""
+        body = json.dumps({"model": served_name, "prompt": EXAMPLE_PROMPT, "max_tokens": 16})
+        lines.append(f"  curl {http_url}/v1/completions{auth} -H 'Content-Type: "
+                     f"application/json' -d '{body}'")
     print("\n".join(lines), flush=True)
 
 
@@ -194,6 +218,9 @@ async def gateway(args: argparse.Namespace) -> int:
     print(f"loraplex gateway listening on {gateway.address} ("
           f"{'TLS' if config.tls else 'plaintext'}, {len(config.workers)} worker targets, "
           f"adapter store {redact(spec)})", flush=True)
+    if gateway.http_url is not None:
+        print(f"OpenAI HTTP API: {gateway.http_url}/v1 (model {config.served_model_name!r})",
+              flush=True)
     try:
         await gateway.wait()
     finally:

@@ -39,12 +39,18 @@ from typing import NamedTuple, Protocol
 
 import grpc
 
-from loraplex.server.api import GenerateRequest, ServiceError, Usage
+from loraplex.server.api import GenerateRequest, Prompt, ServiceError, Usage, is_messages
 
 logger = logging.getLogger(__name__)
 
 # Special tokens (BOS, EOS) a tokenizer may add to a text prompt.
 TEXT_PROMPT_SPECIAL_TOKENS = 2
+# What a chat template may add around each message (role markers, separators) and once
+# (a default system prompt, the assistant's turn): the charge is settled to real usage later.
+CHAT_MESSAGE_TEMPLATE_TOKENS = 16
+CHAT_TEMPLATE_TOKENS = 64
+# A refusal for requests in flight suggests this wait (one finishing frees the slot).
+CONCURRENCY_RETRY_AFTER_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -108,10 +114,14 @@ class Ticket:
     prompt_bound: int
 
 
-def prompt_tokens_bound(prompt: str | tuple[int, ...]) -> int:
+def prompt_tokens_bound(prompt: Prompt) -> int:
     """An upper bound on a prompt's tokens that needs no tokenizer (see the module docstring)."""
     if isinstance(prompt, str):
         return len(prompt.encode("utf-8", "surrogatepass")) + TEXT_PROMPT_SPECIAL_TOKENS
+    if is_messages(prompt):
+        # A chat template adds a few tokens around each message (role markers, separators).
+        return sum(len(m.role.encode()) + len(m.content.encode("utf-8", "surrogatepass"))
+                   + CHAT_MESSAGE_TEMPLATE_TOKENS for m in prompt) + CHAT_TEMPLATE_TOKENS
     return len(prompt)
 
 
@@ -181,7 +191,10 @@ class Quotas:
             message = (f"tokens_per_minute: tenant {tenant!r} is over its limit of {tpm} "
                        f"tokens per minute (this request may use {cost}); retry in "
                        f"{refusal.retry_after_seconds:.1f} s")
-        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+        retry_after = (refusal.retry_after_seconds if refusal.limit == "tokens_per_minute"
+                       else CONCURRENCY_RETRY_AFTER_SECONDS)
+        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, message,
+                           retry_after_seconds=retry_after)
 
     async def release(self, ticket: Ticket, usage: Usage | None, num_streamed: int) -> None:
         """Free the slot and settle the charge (never raises: a backend failure is logged, and

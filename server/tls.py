@@ -1,5 +1,5 @@
-"""TLS for the public gRPC API, from PEM files: the gateway's server credentials (optionally
-requiring client certificates) and the clients' channel credentials.
+"""TLS for the public gRPC and HTTP APIs, from PEM files: the gateway's server credentials
+(optionally requiring client certificates) and the clients' channel credentials.
 
 The worker API stays plaintext: it is internal to the cluster (a NetworkPolicy in the Helm
 chart admits only gateways); a service mesh can add mutual TLS there.
@@ -54,6 +54,20 @@ class ServerTls:
             ca = read_pem(self.client_ca_file, "tls_client_ca_file")
         return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
                                            require_client_auth=ca is not None)
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same certificate (and client CA) for the HTTP API.
+
+        Raises:
+            ValueError: as ``credentials``.
+        """
+        self.credentials()  # the same checks and messages
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(self.cert_file, self.key_file)
+        if self.client_ca_file:
+            ctx.load_verify_locations(self.client_ca_file)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
 
 
 def server_tls(cert_file: str | None, key_file: str | None,

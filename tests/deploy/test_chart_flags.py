@@ -24,8 +24,8 @@ from loraplex.server.cli import build_parser, engine_config_from_args  # noqa: E
 ENV_SETTINGS = {"LORAPLEX_CACHE_DIR", "LORAPLEX_DATA_DIR"}
 # Flags the chart sets from its structure rather than from a `config`/`engine` value.
 CHART_MANAGED = {
-    "gateway": {"host", "port", "metrics_port", "workers", "model", "store", "api_keys",
-                "allow_unauthenticated", "max_rank"},
+    "gateway": {"host", "port", "http_port", "metrics_port", "workers", "model", "store",
+                "api_keys", "allow_unauthenticated", "max_rank"},
     "worker": {"host", "port", "metrics_port", "model", "store"},
 }
 # Flags the chart leaves to the server's default, and why.

@@ -77,6 +77,7 @@ class Cluster:
                  engine: dict[str, Any] | None = None, worker: dict[str, Any] | None = None,
                  gateway: dict[str, Any] | None = None) -> None:
         self.loop = LoopThread()
+        self.model_dir = model_dir
         self.base = ModelConfig.from_pretrained(model_dir)
         spec = store_dir if isinstance(store_dir, str) else f"fs:{store_dir}"
         self.store: AdapterStore = open_store(spec, self.base)
@@ -87,12 +88,15 @@ class Cluster:
             self.loop.run(server.start())
             self.workers.append(server)
         addresses = tuple(w.address for w in self.workers) + extra_workers
-        config = GatewayConfig(port=0, metrics_port=0, workers=addresses, **(gateway or {}))
+        # The HTTP API stays off unless a test asks for it (gateway={"http_port": 0}).
+        config = GatewayConfig(**{"port": 0, "metrics_port": 0, "http_port": -1,
+                                  "workers": addresses, **(gateway or {})})
         self.keys = KeyRing(path=str(keys)) if keys is not None else KeyRing()
         self.gateway = Gateway(config, self.store, self.base, self.keys,
                                quota_backend=open_quota_backend(spec, config.quota_lease_seconds))
         self.loop.run(self.gateway.start(wait_for_workers=10.0 if num_workers else 0.0))
         self.address = self.gateway.address
+        self.http_url = self.gateway.http_url  # http[s]://host:port, None when off
 
     def client(self, api_key: str | None = None, timeout: float | None = 30.0) -> Client:
         return Client(self.address, api_key=api_key or "", timeout=timeout)

@@ -20,7 +20,7 @@ def test_serve_generate_push_and_sigterm(model_dir: Path, tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "loraplex.server.cli", "serve", "--model", str(model_dir),
-         "--port", "0", "--metrics-port", "0", "--num-pages", "128",
+         "--port", "0", "--metrics-port", "0", "--http-port", "0", "--num-pages", "128",
          "--store", f"fs:{tmp_path / 'store'}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "LORAPLEX_DRAIN_GRACE": "5"})

@@ -163,3 +163,34 @@ def test_serve_refuses_bad_tls_files_before_starting(tmp_path: Path, certs: dict
                    f"fs:{tmp_path / 'store'}"])
     assert rc == 2
     assert "are not a certificate and its key" in capsys.readouterr().err
+
+
+def test_http_api_serves_https_with_the_same_certificate(model_dir: Path, tmp_path: Path,
+                                                         certs: dict[str, Path]) -> None:
+    import ssl
+
+    import httpx2
+    import openai
+
+    tls = {"tls_cert_file": str(certs["server_cert"]), "tls_key_file": str(certs["server_key"]),
+           "tls_client_ca_file": str(certs["ca"])}
+    cluster = Cluster(model_dir, tmp_path / "store", gateway={**tls, "http_port": 0})
+    try:
+        assert cluster.http_url is not None and cluster.http_url.startswith("https://")
+        trusting = ssl.create_default_context(cafile=str(certs["ca"]))
+        with pytest.raises(httpx2.TransportError):  # mutual TLS: no client certificate
+            httpx2.get(f"{cluster.http_url}/health", verify=trusting, timeout=5)
+        with pytest.raises(httpx2.TransportError):  # plaintext to a TLS port
+            httpx2.get(cluster.http_url.replace("https://", "http://") + "/health", timeout=5)
+        trusting.load_cert_chain(str(certs["client_cert"]), str(certs["client_key"]))
+        client = openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="unused",
+                               max_retries=0,
+                               http_client=httpx2.Client(verify=trusting, timeout=30))
+        reply = client.completions.create(model="base", prompt="Hello", max_tokens=3,
+                                          extra_body={"ignore_eos": True})
+        assert reply.usage is not None and reply.usage.completion_tokens == 3
+        other = ssl.create_default_context(cafile=str(certs["other_ca"]))
+        with pytest.raises(httpx2.TransportError):  # the server is checked too
+            httpx2.get(f"{cluster.http_url}/health", verify=other, timeout=5)
+    finally:
+        cluster.close()

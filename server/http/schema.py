@@ -1,0 +1,246 @@
+"""OpenAI request bodies -> the service's ``GenerateRequest``s (the HTTP wire's edge).
+
+A body is bounded before it is parsed (bytes, JSON nesting), then validated strictly against
+the models below: unknown fields, wrong types and parameters loraplex does not implement yet
+(``n > 1``, penalties, ``logit_bias``, ``response_format``, ``tools``...) are 400 naming the
+parameter, never silently ignored. Defaults are OpenAI's (``temperature`` 1, completions
+``max_tokens`` 16), not the gRPC API's.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from loraplex.server.api import ChatMessage, GenerateRequest
+from loraplex.server.engine.request import SamplingParams
+
+MAX_JSON_DEPTH = 32
+MAX_PROMPTS = 64
+MAX_TOP_LOGPROBS = 20
+OPENAI_DEFAULT_TEMPERATURE = 1.0
+OPENAI_COMPLETIONS_MAX_TOKENS = 16
+
+
+class BadRequest(ValueError):
+    """A request body the API refuses (400, or 413 for one over the size bound); ``param``
+    names the offending parameter."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: str
+    content: str | list[TextPart]
+
+
+class _Common(_Strict):
+    """Parameters both endpoints take (and the loraplex extensions ``top_k``, ``ignore_eos``,
+    ``stop_token_ids``, as vLLM takes them through the client's ``extra_body``)."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    top_k: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+
+
+class CompletionBody(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatBody(_Common):
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+def parse_json(body: bytes) -> Any:
+    """Decode a body and bound its nesting.
+
+    Raises:
+        BadRequest: not UTF-8 JSON, or nested deeper than ``MAX_JSON_DEPTH``.
+    """
+    try:
+        doc = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRequest(f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest(f"the body is nested deeper than {MAX_JSON_DEPTH} levels") from None
+    if _depth(doc) > MAX_JSON_DEPTH:
+        raise BadRequest(f"the body is nested deeper than {MAX_JSON_DEPTH} levels")
+    if not isinstance(doc, dict):
+        raise BadRequest("the body must be a JSON object")
+    return doc
+
+
+def _depth(doc: Any) -> int:
+    # Iterative: a hostile body must not exhaust the stack before it is refused.
+    deepest, stack = 0, [(doc, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if depth > MAX_JSON_DEPTH:
+            break
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+    return deepest
+
+
+def _validate(cls: type[_Strict], doc: Any) -> Any:
+    try:
+        return cls.model_validate(doc)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        path = _format_loc(error["loc"])
+        raise BadRequest(f"{path}: {error['msg']}", param=path) from None
+
+
+def _format_loc(loc: tuple[Any, ...]) -> str:
+    """``("messages", 0, "role")`` -> ``messages[0].role``, leaving out the union members
+    pydantic names in the path (``str``, ``list[int]``...)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.isidentifier() and part not in ("str", "int", "float", "bool"):
+            out += f".{part}" if out else part
+    return out or "body"
+
+
+def _refuse_unsupported(body: _Common, extra: dict[str, Any]) -> None:
+    """400 for parameters that would change the output and are not implemented yet."""
+    values: dict[str, Any] = {
+        "n": body.n not in (None, 1),
+        "presence_penalty": body.presence_penalty not in (None, 0.0),
+        "frequency_penalty": body.frequency_penalty not in (None, 0.0),
+        "logit_bias": bool(body.logit_bias),
+        **extra}
+    for name, used in values.items():
+        if used:
+            raise BadRequest(f"{name}: not supported by this server yet", param=name)
+
+
+def _params(body: _Common, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    fields: dict[str, Any] = {
+        "max_tokens": max_tokens,
+        "temperature": OPENAI_DEFAULT_TEMPERATURE if body.temperature is None
+        else body.temperature,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "top_k": body.top_k or 0, "seed": body.seed, "stop": stop,
+        "stop_token_ids": tuple(body.stop_token_ids or ()),
+        "ignore_eos": bool(body.ignore_eos), "logprobs": logprobs}
+    try:
+        return SamplingParams(**fields)
+    except ValueError as exc:
+        # SamplingParams names the field first ("max_tokens: ...").
+        raise BadRequest(str(exc), param=str(exc).split(":", 1)[0]) from None
+
+
+def completion_requests(doc: Any, request_id: str = "") -> tuple[CompletionBody,
+                                                                 list[GenerateRequest]]:
+    """A ``/v1/completions`` body -> one ``GenerateRequest`` per prompt (``model`` is left
+    for the caller to resolve: the base model or an adapter).
+
+    Raises:
+        BadRequest: naming the parameter.
+    """
+    body: CompletionBody = _validate(CompletionBody, doc)
+    _refuse_unsupported(body, {"echo": bool(body.echo), "suffix": body.suffix is not None,
+                               "best_of": body.best_of not in (None, 1)})
+    prompts: list[str | tuple[int, ...]] = []
+    if isinstance(body.prompt, str):
+        prompts = [body.prompt]
+    elif body.prompt and isinstance(body.prompt[0], int):
+        prompts = [tuple(t for t in body.prompt if isinstance(t, int))]
+    else:
+        for p in body.prompt:
+            prompts.append(p if isinstance(p, str) else tuple(p) if isinstance(p, list) else ())
+    if not prompts:
+        raise BadRequest("prompt: must not be empty", param="prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise BadRequest(f"prompt: at most {MAX_PROMPTS} prompts in one request",
+                         param="prompt")
+    max_tokens = OPENAI_COMPLETIONS_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    params = _params(body, max_tokens, body.logprobs)
+    many = len(prompts) > 1
+    return body, [GenerateRequest(prompt=p, params=params,
+                                  request_id=f"{request_id}-{i}" if many and request_id
+                                  else request_id)
+                  for i, p in enumerate(prompts)]
+
+
+def chat_request(doc: Any, default_max_tokens: int, request_id: str = ""
+                 ) -> tuple[ChatBody, GenerateRequest]:
+    """A ``/v1/chat/completions`` body -> a ``GenerateRequest`` whose prompt is the messages.
+
+    Raises:
+        BadRequest: naming the parameter.
+    """
+    body: ChatBody = _validate(ChatBody, doc)
+    response_format = (body.response_format or {}).get("type", "text")
+    _refuse_unsupported(body, {
+        "response_format": response_format != "text",
+        "tools": bool(body.tools),
+        "tool_choice": body.tool_choice not in (None, "none", "auto")})
+    if not body.messages:
+        raise BadRequest("messages: must not be empty", param="messages")
+    if body.max_tokens is not None and body.max_completion_tokens is not None \
+            and body.max_tokens != body.max_completion_tokens:
+        raise BadRequest("max_completion_tokens: differs from max_tokens; give one",
+                         param="max_completion_tokens")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
+        else body.max_tokens
+    if body.top_logprobs is not None:
+        if not body.logprobs:
+            raise BadRequest("top_logprobs: needs logprobs: true", param="top_logprobs")
+        if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise BadRequest(f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}]",
+                             param="top_logprobs")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = _params(body, default_max_tokens if max_tokens is None else max_tokens, logprobs)
+    messages = tuple(ChatMessage(role=m.role, content=m.content if isinstance(m.content, str)
+                                 else "".join(part.text for part in m.content))
+                     for m in body.messages)
+    return body, GenerateRequest(prompt=messages, params=params, request_id=request_id)
