@@ -4,13 +4,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import grpc
 
-from loraplex.server.engine.request import SamplingParams, TokenLogprob
+from loraplex.server.params import ChatMessage, ChatMessages, SamplingParams, TokenLogprob
+
+__all__ = ["FINISH_REASONS", "MAX_MESSAGE_BYTES", "AdapterQuery", "ChatMessage", "ChatMessages",
+           "Completion", "FileHeader", "GenerateChunk", "GenerateRequest", "Prompt",
+           "SamplingParams", "ServiceError", "Timing", "TokenLogprob", "UploadMetadata",
+           "UploadPart", "Usage", "WorkerRequest", "WorkerStatus"]
 
 # Finish reasons a stream can end with; "abort" and "error" become gRPC statuses instead.
 FINISH_REASONS = ("stop", "length")
+# The largest gRPC message either side sends or accepts (servers and clients alike).
+MAX_MESSAGE_BYTES = 64 << 20
+
+# A prompt: text, token ids, or a conversation to render with the model's chat template.
+Prompt: TypeAlias = str | tuple[int, ...] | ChatMessages
 
 
 class ServiceError(Exception):
@@ -31,13 +42,13 @@ class GenerateRequest:
     """A public generation request.
 
     Attributes:
-        prompt: text, or token ids.
+        prompt: text, token ids, or chat messages (``ChatMessages``).
         params: sampling parameters.
         adapter: ``"name"``, ``"name@version"`` or ``""`` for the base model.
         request_id: echoed back in every chunk; the gateway assigns one when empty.
     """
 
-    prompt: str | tuple[int, ...]
+    prompt: Prompt
     params: SamplingParams = field(default_factory=SamplingParams)
     adapter: str = ""
     request_id: str = ""
@@ -50,7 +61,7 @@ class WorkerRequest:
 
     request_id: str
     tenant: str
-    prompt: str | tuple[int, ...]
+    prompt: Prompt
     params: SamplingParams
     adapter_digest: str | None = None
 

@@ -25,10 +25,13 @@ from grpc_reflection.v1alpha import reflection
 from loraplex.adapter_store.store import AdapterVersion
 from loraplex.server.api import (
     AdapterQuery,
+    ChatMessage,
+    ChatMessages,
     Completion,
     FileHeader,
     GenerateChunk,
     GenerateRequest,
+    Prompt,
     ServiceError,
     Timing,
     UploadMetadata,
@@ -37,7 +40,7 @@ from loraplex.server.api import (
     WorkerRequest,
     WorkerStatus,
 )
-from loraplex.server.engine.request import SamplingParams, TokenLogprob
+from loraplex.server.params import SamplingParams, TokenLogprob
 from loraplex.v1 import (
     adapters_pb2,
     adapters_pb2_grpc,
@@ -78,18 +81,25 @@ def sampling_params_to_pb(p: SamplingParams) -> generation_pb2.SamplingParams:
     return m
 
 
-def _prompt_from_pb(m: Any) -> str | tuple[int, ...]:
+def _prompt_from_pb(m: Any) -> Prompt:
     which = m.WhichOneof("prompt")
     if which == "text":
         return str(m.text)
     if which == "token_ids":
         return tuple(m.token_ids.ids)
-    raise ValueError("prompt: set either text or token_ids")
+    if which == "messages":
+        return ChatMessages(tuple(ChatMessage(c.role, c.content) for c in m.messages.messages))
+    raise ValueError("prompt: set one of text, token_ids or messages")
 
 
-def _set_prompt(m: Any, prompt: str | tuple[int, ...] | list[int]) -> None:
+def _set_prompt(m: Any, prompt: Prompt | list[int]) -> None:
     if isinstance(prompt, str):
         m.text = prompt
+    elif isinstance(prompt, ChatMessages):
+        # CopyFrom, not extend: an empty conversation must still set the oneof member.
+        m.messages.CopyFrom(generation_pb2.ChatMessages(messages=[
+            generation_pb2.ChatMessage(role=c.role, content=c.content)
+            for c in prompt.messages]))
     else:
         m.token_ids.ids.extend(prompt)
 

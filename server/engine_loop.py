@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from loraplex.server.api import WorkerRequest
+from loraplex.server.api import ChatMessages, WorkerRequest
 from loraplex.server.engine.engine import Engine, EngineStats
 from loraplex.server.engine.request import Request, RequestOutput
 
@@ -59,7 +59,9 @@ class EngineLoop:
             ValueError: the engine refused it (the message names the field), for example a
                 prompt that does not fit the context.
         """
-        prompt = request.prompt if isinstance(request.prompt, str) else list(request.prompt)
+        prompt = request.prompt
+        if not isinstance(prompt, (str, ChatMessages)):
+            prompt = list(prompt)
         req = self.engine.add_request(request.request_id, prompt, request.params,
                                       adapter_digest=request.adapter_digest,
                                       tenant=request.tenant)

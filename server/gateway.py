@@ -3,8 +3,9 @@
 A request's way through it (``GenerationService.generate_stream``):
 
 1. Authenticate the API key (``auth.KeyRing``): the key names the tenant.
-2. Bound every field that needs no tokenizer (prompt bytes, max_tokens, stop strings,
-   logprobs, ids): ``INVALID_ARGUMENT`` before anything is queued.
+2. Bound every field that needs no tokenizer (prompt bytes, chat messages: count, roles and
+   content bytes; max_tokens, stop strings, logprobs, ids): ``INVALID_ARGUMENT`` before
+   anything is queued.
 3. Resolve ``name[@version]`` to a digest through the adapter store, in the tenant's own
    namespace: another tenant's adapter is ``NOT_FOUND`` exactly like a missing one.
 4. Admit it under the tenant's quota (``quota.Quotas``: requests in flight, tokens per
@@ -35,6 +36,7 @@ from loraplex.adapter_store.errors import AdapterNotFound, AdapterStoreError
 from loraplex.adapter_store.store import AdapterStore, parse_ref
 from loraplex.server import convert
 from loraplex.server.api import (
+    ChatMessages,
     Completion,
     GenerateChunk,
     GenerateRequest,
@@ -48,6 +50,7 @@ from loraplex.server.engine.models.config import ModelConfig
 from loraplex.server.gateway_adapters import AdaptersService, UploadLimits
 from loraplex.server.gateway_pool import WorkerPool
 from loraplex.server.metrics import GatewayMetrics, MetricsServer, StreamTimer
+from loraplex.server.params import check_messages
 from loraplex.server.quota import (
     LocalQuotaBackend,
     QuotaBackend,
@@ -61,6 +64,7 @@ from loraplex.server.worker import format_address, grpc_server_options
 logger = logging.getLogger(__name__)
 
 MAX_STOP_TOKEN_IDS = 64
+MAX_CHAT_MESSAGES = 512
 MAX_REQUEST_ID_CHARS = 128
 MAX_ADAPTER_REF_CHARS = 160
 # Statuses after which the request may go to another worker (if no token was sent yet).
@@ -150,7 +154,12 @@ def check_bounds(request: GenerateRequest, config: GatewayConfig) -> None:
         return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
     prompt = request.prompt
-    if isinstance(prompt, str):
+    if isinstance(prompt, ChatMessages):
+        try:
+            check_messages(prompt, MAX_CHAT_MESSAGES, config.max_prompt_bytes)
+        except ValueError as exc:
+            raise bad(str(exc)) from None
+    elif isinstance(prompt, str):
         size = len(prompt.encode("utf-8", "surrogatepass"))
         if size == 0:
             raise bad("prompt: must not be empty")

@@ -39,12 +39,16 @@ from typing import NamedTuple, Protocol
 
 import grpc
 
-from loraplex.server.api import GenerateRequest, ServiceError, Usage
+from loraplex.server.api import ChatMessages, GenerateRequest, Prompt, ServiceError, Usage
 
 logger = logging.getLogger(__name__)
 
 # Special tokens (BOS, EOS) a tokenizer may add to a text prompt.
 TEXT_PROMPT_SPECIAL_TOKENS = 2
+# What a chat template adds, estimated (a template may add any text; the charge is settled to
+# the real usage when the request ends): per message (role, turn markers) and once.
+CHAT_TOKENS_PER_MESSAGE = 16
+CHAT_TEMPLATE_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -108,8 +112,13 @@ class Ticket:
     prompt_bound: int
 
 
-def prompt_tokens_bound(prompt: str | tuple[int, ...]) -> int:
-    """An upper bound on a prompt's tokens that needs no tokenizer (see the module docstring)."""
+def prompt_tokens_bound(prompt: Prompt) -> int:
+    """An upper bound on a prompt's tokens that needs no tokenizer (see the module docstring;
+    for chat messages, an estimate of what the template adds)."""
+    if isinstance(prompt, ChatMessages):
+        return CHAT_TEMPLATE_TOKENS + sum(
+            len(m.content.encode("utf-8", "surrogatepass")) + CHAT_TOKENS_PER_MESSAGE
+            for m in prompt.messages)
     if isinstance(prompt, str):
         return len(prompt.encode("utf-8", "surrogatepass")) + TEXT_PROMPT_SPECIAL_TOKENS
     return len(prompt)

@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry
 from loraplex.server import convert
 from loraplex.server.api import (
     FINISH_REASONS,
+    MAX_MESSAGE_BYTES,
     GenerateChunk,
     ServiceError,
     Timing,
@@ -39,8 +40,6 @@ from loraplex.server.engine_loop import EngineLoop
 from loraplex.server.metrics import MetricsServer, StreamTimer, WorkerMetrics
 
 logger = logging.getLogger(__name__)
-
-MAX_MESSAGE_BYTES = 64 << 20
 
 
 def format_address(host: str, port: int) -> str:
