@@ -31,7 +31,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "serve", help="gateway and one worker in one process (demo model by default)",
         description="Serve the public API on --host:--port with one in-process worker.")
     add_engine_args(serve)
-    _add_listen_args(serve, port=50051, metrics_port=9400)
+    # Metrics on any free port by default (printed at start): a second `serve` on one host
+    # must not die on a fixed one. gateway and worker keep fixed ports for scrapers.
+    _add_listen_args(serve, port=50051, metrics_port=0)
     _add_tls_args(serve)
     _add_store_arg(serve)
     _add_key_args(serve)

@@ -58,6 +58,7 @@ from loraplex.server.quota import (
     TenantLimits,
     Ticket,
 )
+from loraplex.server.startup import port_in_use
 from loraplex.server.tls import ServerTls
 from loraplex.server.worker import format_address, grpc_server_options
 
@@ -396,10 +397,13 @@ class Gateway:
                            "authentication. Give --api-keys FILE before exposing this gateway.")
         server = grpc.aio.server(options=grpc_server_options())
         address = format_address(self.config.host, self.config.port)
-        if self.config.tls is not None:
-            self.port = server.add_secure_port(address, self.config.tls.credentials())
-        else:
-            self.port = server.add_insecure_port(address)
+        try:
+            if self.config.tls is not None:
+                self.port = server.add_secure_port(address, self.config.tls.credentials())
+            else:
+                self.port = server.add_insecure_port(address)
+        except RuntimeError:  # grpc's "Failed to bind": taken since check_port_free ran
+            raise port_in_use(self.config.host, self.config.port, "--port") from None
         if self.port == 0:
             raise OSError(f"gateway: cannot listen on {self.address}")
         names = [convert.add_generation_service(server, self.generation),

@@ -54,8 +54,18 @@ def _on_signals(drain: Callable[[], Coroutine[Any, Any, None]],
 
 def _key_ring(args: argparse.Namespace) -> KeyRing:
     from loraplex.server.auth import KeyRing
+    from loraplex.server.startup import check_key_file
 
+    check_key_file(args.api_keys)
     return KeyRing(path=args.api_keys, text=args.api_key_hashes)
+
+
+def _check_ports(args: argparse.Namespace) -> None:
+    """A taken ``--port`` or ``--metrics-port`` fails now, before the model is loaded."""
+    from loraplex.server.startup import check_port_free
+
+    check_port_free(args.host, args.port, "--port")
+    check_port_free(args.host, _metrics_port(args), "--metrics-port")
 
 
 def _gateway_config(args: argparse.Namespace, workers: tuple[str, ...], max_rank: int,
@@ -92,6 +102,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     engine_config = engine_config_from_args(args)
     keys = _key_ring(args)
+    _check_ports(args)
     early = _gateway_config(args, ("-",), engine_config.max_rank, None)
     check_exposure(early, keys)
     if early.tls is not None:
@@ -172,6 +183,7 @@ async def gateway(args: argparse.Namespace) -> int:
     if not workers:
         raise ValueError("--workers: give HOST:PORT,... (or LORAPLEX_WORKERS)")
     keys = _key_ring(args)
+    _check_ports(args)
     base = base_model_config(args.model)
     spec = _store_spec(args)
     store = open_store(spec, base)
@@ -202,6 +214,7 @@ async def worker(args: argparse.Namespace) -> int:
     config = WorkerConfig(host=args.host, port=args.port, metrics_port=_metrics_port(args),
                           max_queue=args.max_queue, drain_grace_seconds=args.drain_grace,
                           worker_id=args.worker_id)
+    _check_ports(args)
     base = ModelConfig.from_pretrained(resolve_model_path(engine_config.model))
     store = open_store(_store_spec(args), base)
     engine = await asyncio.to_thread(build_engine, engine_config, store)

@@ -38,6 +38,7 @@ from loraplex.server.engine.engine import Engine, EngineStats
 from loraplex.server.engine.request import Request, RequestOutput
 from loraplex.server.engine_loop import EngineLoop
 from loraplex.server.metrics import MetricsServer, StreamTimer, WorkerMetrics
+from loraplex.server.startup import port_in_use
 
 logger = logging.getLogger(__name__)
 
@@ -246,7 +247,11 @@ class WorkerServer:
         """Bind and start serving (on the running asyncio loop)."""
         self._loop = EngineLoop(self.engine, asyncio.get_running_loop())
         server = grpc.aio.server(options=grpc_server_options())
-        self.port = server.add_insecure_port(format_address(self.config.host, self.config.port))
+        try:
+            self.port = server.add_insecure_port(format_address(self.config.host,
+                                                                self.config.port))
+        except RuntimeError:  # grpc's "Failed to bind": the port is taken
+            raise port_in_use(self.config.host, self.config.port, "--port") from None
         if self.port == 0:
             raise OSError(f"worker: cannot listen on {self.address}")
         worker_id = self.config.worker_id or f"{socket.gethostname()}:{self.port}"
