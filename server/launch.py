@@ -134,8 +134,9 @@ async def serve(args: argparse.Namespace) -> int:
         await worker.stop()
 
     _on_signals(drain, stop, keys.reload)
+    chat = engine.tokenizer is not None and engine.tokenizer.has_chat_template
     _print_ready(gateway.address, engine_config.model, spec, keys.keyless,
-                 metrics.port if metrics else None, args.host, config.tls is not None)
+                 metrics.port if metrics else None, args.host, config.tls is not None, chat)
     try:
         await gateway.wait()
         await worker.wait()
@@ -148,7 +149,7 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def _print_ready(address: str, model: str, store: str, keyless: bool, metrics_port: int | None,
-                 host: str, tls: bool = False) -> None:
+                 host: str, tls: bool = False, chat: bool = False) -> None:
     scheme = "TLS" if tls else "plaintext"
     lines = [f"loraplex serving {model} on {address} ({scheme}, adapter store "
              f"{redact(store)})"]
@@ -166,6 +167,8 @@ def _print_ready(address: str, model: str, store: str, keyless: bool, metrics_po
         "  loraplex demo-adapter /tmp/demo-lora",
         f"  loraplex adapters push --server {address}{key} --name demo /tmp/demo-lora",
         f"  loraplex generate --server {address}{key} --adapter demo \"{EXAMPLE_PROMPT}\"",
+        *([f"  loraplex generate --server {address}{key} --chat \"What is LoRA?\""]
+          if chat else []),
         f"  grpcurl {'' if tls else '-plaintext '}"
         f"-d '{{\"text\": \"{EXAMPLE_PROMPT}\"}}' {address} "
         "loraplex.v1.Generation/GenerateStream",
