@@ -58,7 +58,7 @@ from loraplex.server.quota import (
     TenantLimits,
     Ticket,
 )
-from loraplex.server.startup import port_in_use
+from loraplex.server.startup import cannot_bind
 from loraplex.server.tls import ServerTls
 from loraplex.server.worker import format_address, grpc_server_options
 
@@ -403,7 +403,7 @@ class Gateway:
             else:
                 self.port = server.add_insecure_port(address)
         except RuntimeError:  # grpc's "Failed to bind": taken since check_port_free ran
-            raise port_in_use(self.config.host, self.config.port, "--port") from None
+            raise cannot_bind(self.config.host, self.config.port, "--port") from None
         if self.port == 0:
             raise OSError(f"gateway: cannot listen on {self.address}")
         names = [convert.add_generation_service(server, self.generation),

@@ -18,6 +18,13 @@ def port_in_use(host: str, port: int, flag: str) -> StartupError:
                         f"server?); give another port, or {flag} 0 for any free one")
 
 
+def cannot_bind(host: str, port: int, flag: str) -> StartupError:
+    """The error for a bind that failed after ``check_port_free`` passed (grpc says only
+    "Failed to bind")."""
+    return StartupError(f"{flag} {port}: cannot listen on {host}:{port} (in use by another "
+                        f"process?); give another port, or {flag} 0 for any free one")
+
+
 def check_port_free(host: str, port: int | None, flag: str) -> None:
     """Refuse a port another process already listens on (None and 0 always pass: none, or
     any free port). The server binds it for real later; this only makes the common mistake

@@ -38,7 +38,7 @@ from loraplex.server.engine.engine import Engine, EngineStats
 from loraplex.server.engine.request import Request, RequestOutput
 from loraplex.server.engine_loop import EngineLoop
 from loraplex.server.metrics import MetricsServer, StreamTimer, WorkerMetrics
-from loraplex.server.startup import port_in_use
+from loraplex.server.startup import cannot_bind
 
 logger = logging.getLogger(__name__)
 
@@ -251,7 +251,7 @@ class WorkerServer:
             self.port = server.add_insecure_port(format_address(self.config.host,
                                                                 self.config.port))
         except RuntimeError:  # grpc's "Failed to bind": the port is taken
-            raise port_in_use(self.config.host, self.config.port, "--port") from None
+            raise cannot_bind(self.config.host, self.config.port, "--port") from None
         if self.port == 0:
             raise OSError(f"worker: cannot listen on {self.address}")
         worker_id = self.config.worker_id or f"{socket.gethostname()}:{self.port}"

@@ -127,3 +127,27 @@ def test_generate_without_a_key_says_how_to_pass_one(
         assert "[" in err and " completion tokens" in err
     finally:
         cluster.close()
+
+
+def test_a_port_taken_after_the_check_is_still_one_clear_error(
+        taken_port: int, model_dir: Path, tmp_path: Path) -> None:
+    """The race the early check cannot close: grpc's bare "Failed to bind" becomes a
+    ``StartupError`` naming the port and the flag."""
+    import asyncio
+
+    from loraplex.adapter_store.store import open_store
+    from loraplex.server.auth import KeyRing
+    from loraplex.server.engine.models.config import ModelConfig
+    from loraplex.server.gateway import Gateway, GatewayConfig
+    from loraplex.server.startup import StartupError
+
+    base = ModelConfig.from_pretrained(model_dir)
+    store = open_store(f"fs:{tmp_path}", base)
+    gateway = Gateway(GatewayConfig(port=taken_port, workers=("127.0.0.1:1",)), store, base,
+                      KeyRing())
+    try:
+        with pytest.raises(StartupError, match=f"--port {taken_port}: cannot listen on "):
+            asyncio.run(gateway.start())
+    finally:
+        asyncio.run(gateway.stop())
+        store.close()
