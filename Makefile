@@ -7,7 +7,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install serve test lint bench clean
+.PHONY: install redis serve test lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -21,7 +21,12 @@ install: $(VENV)/.installed
 serve: install
 	$(VENV)/bin/loraplex serve --model demo
 
-test: install
+# redis-server for the tests that start a real Redis (apt-get as root; otherwise one line
+# saying what to install).
+redis:
+	@sh scripts/ensure_redis.sh
+
+test: install redis
 	$(PY) -m pytest -q -ra --durations=20 $(PYTEST_ARGS)
 
 lint: install

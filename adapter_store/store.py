@@ -22,16 +22,19 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from loraplex.adapter_store.directory_source import DirectoryAdapterSource
 from loraplex.adapter_store.errors import (
     AdapterNotFound,
     AdapterStoreError,
     AdapterValidationError,
 )
-from loraplex.adapter_store.format import DTYPE_NAMES, CanonicalAdapter
-from loraplex.server.engine.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    # Imported when used: the client and the gateway's records must not load torch.
+    from loraplex.adapter_store.directory_source import DirectoryAdapterSource
+    from loraplex.adapter_store.format import CanonicalAdapter
+    from loraplex.server.engine.models.config import ModelConfig
 
 __all__ = [
     "DEFAULT_TENANT", "AdapterNotFound", "AdapterSource", "AdapterStore", "AdapterStoreError",
@@ -176,6 +179,8 @@ class AdapterStore(ABC):
             if adapter.base_dims != want:
                 raise AdapterValidationError("adapter", "base_dims", f"made for {adapter.base_dims}"
                                              f", the store's base model has {want}")
+        from loraplex.adapter_store.format import DTYPE_NAMES
+
         record = AdapterVersion(
             tenant=tenant, name=name, version=0, digest=adapter.digest, rank=adapter.rank,
             target_modules=adapter.target_modules, dtype=DTYPE_NAMES[adapter.dtype],
@@ -290,3 +295,12 @@ def open_store(spec: str, base_config: ModelConfig | None = None) -> AdapterStor
         return RedisAdapterStore.from_url(spec, base_config)
     raise ValueError(f"store {spec.split('@')[-1][:80]!r} must be fs:PATH, redis://... or "
                      "rediss://...")
+
+
+def __getattr__(name: str) -> Any:
+    # ``DirectoryAdapterSource`` is re-exported lazily: it needs torch (see the imports).
+    if name == "DirectoryAdapterSource":
+        from loraplex.adapter_store.directory_source import DirectoryAdapterSource
+
+        return DirectoryAdapterSource
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,14 +4,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TypeGuard
+from typing import TypeAlias
 
 import grpc
 
-from loraplex.server.engine.request import SamplingParams, TokenLogprob
+from loraplex.server.params import ChatMessage, ChatMessages, SamplingParams, TokenLogprob
+
+__all__ = ["FINISH_REASONS", "MAX_MESSAGE_BYTES", "AdapterQuery", "ChatMessage", "ChatMessages",
+           "Completion", "FileHeader", "GenerateChunk", "GenerateRequest", "Prompt",
+           "SamplingParams", "ServiceError", "Timing", "TokenLogprob", "UploadMetadata",
+           "UploadPart", "Usage", "WorkerRequest", "WorkerStatus"]
 
 # Finish reasons a stream can end with; "abort" and "error" become gRPC statuses instead.
 FINISH_REASONS = ("stop", "length")
+# The largest gRPC message either side sends or accepts (servers and clients alike).
+MAX_MESSAGE_BYTES = 64 << 20
+
+# A prompt: text, token ids, or a conversation to render with the model's chat template.
+Prompt: TypeAlias = str | tuple[int, ...] | ChatMessages
 
 
 # Whose fault a status is, sent as the ``loraplex-origin`` trailer of every status a loraplex
@@ -49,28 +59,11 @@ class ServiceError(Exception):
 
 
 @dataclass(frozen=True)
-class ChatMessage:
-    """One message of a chat prompt; the worker renders the messages with the model's chat
-    template."""
-
-    role: str
-    content: str
-
-
-Prompt = str | tuple[int, ...] | tuple[ChatMessage, ...]
-
-
-def is_messages(prompt: object) -> TypeGuard[tuple[ChatMessage, ...]]:
-    """Whether a prompt is chat messages (rather than text or token ids)."""
-    return isinstance(prompt, tuple) and bool(prompt) and isinstance(prompt[0], ChatMessage)
-
-
-@dataclass(frozen=True)
 class GenerateRequest:
     """A public generation request.
 
     Attributes:
-        prompt: text, token ids, or chat messages.
+        prompt: text, token ids, or chat messages (``ChatMessages``).
         params: sampling parameters.
         adapter: ``"name"``, ``"name@version"`` or ``""`` for the base model.
         request_id: echoed back in every chunk; the gateway assigns one when empty.

@@ -79,11 +79,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from loraplex.server.startup import StartupError
+
     try:
         return int(args.func(args) or 0)
     except ValueError as exc:
         print(f"loraplex {args.command}: {exc}", file=sys.stderr)
         return 2
+    except StartupError as exc:
+        print(f"loraplex {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

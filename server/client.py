@@ -6,6 +6,7 @@
         for chunk in client.generate_stream("Once upon a time", adapter="my-lora",
                                             max_tokens=32):
             print(chunk.text, end="", flush=True)
+        reply = client.generate(messages=[{"role": "user", "content": "Hi!"}])
 
 Calls raise ``ServiceError`` (``.code`` a ``grpc.StatusCode``, ``.message``) for a non-OK
 status. The API key defaults to ``$LORAPLEX_API_KEY``. ``tls=True`` (or ``tls_ca_file=...``,
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,10 @@ import grpc
 from loraplex.adapter_store.store import AdapterVersion
 from loraplex.server import convert, env
 from loraplex.server.api import (
+    MAX_MESSAGE_BYTES,
     AdapterQuery,
+    ChatMessage,
+    ChatMessages,
     Completion,
     FileHeader,
     GenerateChunk,
@@ -36,11 +40,10 @@ from loraplex.server.api import (
     UploadMetadata,
     UploadPart,
 )
-from loraplex.server.engine.request import SamplingParams
+from loraplex.server.params import SamplingParams
 from loraplex.server.tls import client_credentials
-from loraplex.server.worker import MAX_MESSAGE_BYTES
 
-__all__ = ["AsyncClient", "Client", "ServiceError", "adapter_upload_parts"]
+__all__ = ["AsyncClient", "ChatMessage", "Client", "ServiceError", "adapter_upload_parts"]
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 UPLOAD_CHUNK_BYTES = 1 << 20
@@ -80,15 +83,38 @@ def _parts(files: list[Path], metadata: UploadMetadata) -> Iterator[UploadPart]:
                 yield block
 
 
-def _request(prompt: str | list[int] | tuple[int, ...], adapter: str,
-             params: SamplingParams | None, request_id: str, kwargs: dict[str, Any]
-             ) -> GenerateRequest:
+# What ``messages=`` takes: ChatMessage objects, {"role": ..., "content": ...} mappings (as
+# OpenAI's API spells them) or (role, content) pairs.
+Messages = Sequence[ChatMessage | Mapping[str, str] | tuple[str, str]]
+PromptArg = str | list[int] | tuple[int, ...] | None
+
+
+def _chat(messages: Messages) -> ChatMessages:
+    out = []
+    for m in messages:
+        if isinstance(m, ChatMessage):
+            out.append(m)
+        elif isinstance(m, Mapping):
+            out.append(ChatMessage(str(m["role"]), str(m["content"])))
+        else:
+            role, content = m
+            out.append(ChatMessage(str(role), str(content)))
+    return ChatMessages(tuple(out))
+
+
+def _request(prompt: PromptArg, adapter: str, params: SamplingParams | None, request_id: str,
+             kwargs: dict[str, Any], messages: Messages | None = None) -> GenerateRequest:
     if params is not None and kwargs:
         raise TypeError("pass either params or sampling keyword arguments, not both")
+    if (prompt is None) == (messages is None):
+        raise TypeError("pass either a prompt (text or token ids) or messages, not both")
     if params is None:
         params = SamplingParams(**kwargs)
-    return GenerateRequest(prompt=prompt if isinstance(prompt, str) else tuple(prompt),
-                           params=params, adapter=adapter, request_id=request_id)
+    if messages is not None:
+        body: str | tuple[int, ...] | ChatMessages = _chat(messages)
+    else:
+        body = prompt if isinstance(prompt, str) else tuple(prompt or ())
+    return GenerateRequest(prompt=body, params=params, adapter=adapter, request_id=request_id)
 
 
 def _metadata(api_key: str | None) -> list[tuple[str, str]]:
@@ -122,6 +148,11 @@ class Client:
                          else grpc.insecure_channel(address, options=_CHANNEL_OPTIONS))
         self._stub = convert.ClientStub(self._channel)
 
+    @property
+    def has_api_key(self) -> bool:
+        """Whether calls carry an API key (given, or from ``$LORAPLEX_API_KEY``)."""
+        return bool(self._metadata)
+
     def __enter__(self) -> Client:
         return self
 
@@ -134,21 +165,26 @@ class Client:
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
 
-    def generate(self, prompt: str | list[int], adapter: str = "", *,
-                 params: SamplingParams | None = None, request_id: str = "",
-                 timeout: float | None = None, **sampling: Any) -> Completion:
-        """The whole completion. ``sampling`` are ``SamplingParams`` fields
+    def generate(self, prompt: PromptArg = None, adapter: str = "", *,
+                 messages: Messages | None = None, params: SamplingParams | None = None,
+                 request_id: str = "", timeout: float | None = None, **sampling: Any
+                 ) -> Completion:
+        """The whole completion of ``prompt`` (text or token ids) or of chat ``messages``
+        (``[{"role": "user", "content": "Hi"}]``, rendered by the model's chat template; the
+        reply ends at its end-of-turn token). ``sampling`` are ``SamplingParams`` fields
         (``max_tokens=32, temperature=0.7, ...``), or pass ``params``."""
-        return self._stub.generate(_request(prompt, adapter, params, request_id, sampling),
-                                         self._metadata, self._timeout(timeout))
+        return self._stub.generate(
+            _request(prompt, adapter, params, request_id, sampling, messages), self._metadata,
+            self._timeout(timeout))
 
-    def generate_stream(self, prompt: str | list[int], adapter: str = "", *,
-                        params: SamplingParams | None = None, request_id: str = "",
-                        timeout: float | None = None, **sampling: Any
+    def generate_stream(self, prompt: PromptArg = None, adapter: str = "", *,
+                        messages: Messages | None = None, params: SamplingParams | None = None,
+                        request_id: str = "", timeout: float | None = None, **sampling: Any
                         ) -> Iterator[GenerateChunk]:
-        """Chunks as they are produced; closing the iterator cancels the request."""
+        """Chunks as they are produced; closing the iterator cancels the request (arguments
+        as for ``generate``)."""
         return self._stub.generate_stream(
-            _request(prompt, adapter, params, request_id, sampling), self._metadata,
+            _request(prompt, adapter, params, request_id, sampling, messages), self._metadata,
             self._timeout(timeout))
 
     def upload_adapter(self, path: str | os.PathLike[str], name: str, tenant: str = "",
@@ -205,19 +241,20 @@ class AsyncClient:
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
 
-    async def generate(self, prompt: str | list[int], adapter: str = "", *,
-                       params: SamplingParams | None = None, request_id: str = "",
-                       timeout: float | None = None, **sampling: Any) -> Completion:
+    async def generate(self, prompt: PromptArg = None, adapter: str = "", *,
+                       messages: Messages | None = None, params: SamplingParams | None = None,
+                       request_id: str = "", timeout: float | None = None, **sampling: Any
+                       ) -> Completion:
         return await self._stub.generate(
-            _request(prompt, adapter, params, request_id, sampling), self._metadata,
+            _request(prompt, adapter, params, request_id, sampling, messages), self._metadata,
             self._timeout(timeout))
 
-    def generate_stream(self, prompt: str | list[int], adapter: str = "", *,
-                        params: SamplingParams | None = None, request_id: str = "",
-                        timeout: float | None = None, **sampling: Any
+    def generate_stream(self, prompt: PromptArg = None, adapter: str = "", *,
+                        messages: Messages | None = None, params: SamplingParams | None = None,
+                        request_id: str = "", timeout: float | None = None, **sampling: Any
                         ) -> AsyncIterator[GenerateChunk]:
         return self._stub.generate_stream(
-            _request(prompt, adapter, params, request_id, sampling), self._metadata,
+            _request(prompt, adapter, params, request_id, sampling, messages), self._metadata,
             self._timeout(timeout))
 
     async def upload_adapter(self, path: str | os.PathLike[str], name: str, tenant: str = "",

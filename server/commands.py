@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.server import env
-from loraplex.server.settings import add_flags, apply_env, check_env
+from loraplex.server.settings import add_flags, apply_env, check_env, set_flag_default
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 
@@ -42,6 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_flags(serve, GatewayConfig, exclude=SERVE_GATEWAY_EXCLUDES)
     add_flags(serve, StoreConfig)
     add_flags(serve, WorkerConfig, exclude=SERVE_WORKER_EXCLUDES)
+    # Metrics on any free port by default (printed at start): a second `serve` on one host
+    # must not die on a fixed one. gateway and worker keep fixed ports for scrapers.
+    set_flag_default(serve, "metrics_port", 0)
     serve.set_defaults(func=_run_async("serve"))
     apply_env(serve)
 
@@ -64,7 +67,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     generate = subparsers.add_parser(
         "generate", help="stream a completion from a server to the terminal")
-    generate.add_argument("prompt")
+    generate.add_argument("prompt", nargs="?", default=None,
+                          help="the text to complete (or give --chat)")
+    generate.add_argument("--chat", default=None, metavar="MESSAGE",
+                          help="send MESSAGE as the user's turn of a chat: the model's chat "
+                               "template renders it and the reply ends at its end of turn")
+    generate.add_argument("--system", default=None, metavar="TEXT",
+                          help="with --chat: a system message before it")
     generate.add_argument("--server", default=env.get("SERVER", DEFAULT_SERVER),
                           help="the gateway's HOST:PORT (env LORAPLEX_SERVER)")
     generate.add_argument("--adapter", default="", help="NAME or NAME@VERSION (default: base)")
@@ -126,8 +135,18 @@ def _run_async(command: str) -> Callable[[argparse.Namespace], int]:
 
 # -- clients --------------------------------------------------------------------------------------
 def _generate(args: argparse.Namespace) -> int:
+    import grpc
+
     from loraplex.server.client import Client, ServiceError
 
+    if (args.prompt is None) == (args.chat is None):
+        raise ValueError("give a PROMPT to complete or --chat MESSAGE (one of them)")
+    if args.system is not None and args.chat is None:
+        raise ValueError("--system: only with --chat")
+    prompt: dict[str, Any] = {"prompt": args.prompt}
+    if args.chat is not None:
+        turns = [] if args.system is None else [{"role": "system", "content": args.system}]
+        prompt = {"messages": [*turns, {"role": "user", "content": args.chat}]}
     try:
         client = Client(args.server, api_key=args.api_key, timeout=args.timeout,
                         **client_tls(args))
@@ -138,14 +157,19 @@ def _generate(args: argparse.Namespace) -> int:
         try:
             last = None
             for chunk in client.generate_stream(
-                    args.prompt, args.adapter, max_tokens=args.max_tokens,
+                    adapter=args.adapter, max_tokens=args.max_tokens,
                     temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                    seed=args.seed, stop=tuple(args.stop)):
+                    seed=args.seed, stop=tuple(args.stop), **prompt):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 last = chunk
         except ServiceError as exc:
-            print(f"\nloraplex generate: {exc.code.name}: {exc.message}", file=sys.stderr)
+            hint = ""
+            if exc.code == grpc.StatusCode.UNAUTHENTICATED and not client.has_api_key:
+                hint = " (this server needs an API key: pass --api-key KEY or set " \
+                       "LORAPLEX_API_KEY)"
+            print(f"\nloraplex generate: {exc.code.name}: {exc.message}{hint}",
+                  file=sys.stderr)
             return 1
     print()
     if last is not None and last.usage is not None and last.timing is not None:

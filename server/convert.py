@@ -38,6 +38,8 @@ from loraplex.adapter_store.store import AdapterVersion
 from loraplex.server.api import (
     ORIGIN_REQUEST,
     AdapterQuery,
+    ChatMessage,
+    ChatMessages,
     Completion,
     FileHeader,
     GenerateChunk,
@@ -50,9 +52,8 @@ from loraplex.server.api import (
     Usage,
     WorkerRequest,
     WorkerStatus,
-    is_messages,
 )
-from loraplex.server.engine.request import SamplingParams, TokenLogprob
+from loraplex.server.params import SamplingParams, TokenLogprob
 from loraplex.server.quote import cap_message
 from loraplex.v1 import (
     adapters_pb2,
@@ -95,27 +96,27 @@ def sampling_params_to_pb(p: SamplingParams) -> generation_pb2.SamplingParams:
     return m
 
 
-def _prompt_from_pb(m: Any) -> str | tuple[int, ...]:
+def _prompt_from_pb(m: Any) -> Prompt:
     which = m.WhichOneof("prompt")
     if which == "text":
         return str(m.text)
     if which == "token_ids":
         return tuple(m.token_ids.ids)
-    raise ValueError("prompt: set either text or token_ids")
+    if which == "messages":
+        return ChatMessages(tuple(ChatMessage(c.role, c.content) for c in m.messages.messages))
+    raise ValueError("prompt: set one of text, token_ids or messages")
 
 
 def _set_prompt(m: Any, prompt: Prompt | list[int]) -> None:
     if isinstance(prompt, str):
         m.text = prompt
-    elif is_messages(prompt):
-        raise ValueError("messages: the worker API cannot carry chat messages yet")
+    elif isinstance(prompt, ChatMessages):
+        # CopyFrom, not extend: an empty conversation must still set the oneof member.
+        m.messages.CopyFrom(generation_pb2.ChatMessages(messages=[
+            generation_pb2.ChatMessage(role=c.role, content=c.content)
+            for c in prompt.messages]))
     else:
         m.token_ids.ids.extend(prompt)
-
-
-def carries_messages() -> bool:
-    """Whether the worker API's prompt can carry chat messages (the chat issue adds them)."""
-    return "messages" in worker_pb2.WorkerGenerateRequest.DESCRIPTOR.fields_by_name
 
 
 def generate_request_from_pb(m: generation_pb2.GenerateRequest) -> GenerateRequest:

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from loraplex.server.api import WorkerRequest
+from loraplex.server.api import ChatMessages, WorkerRequest
 from loraplex.server.engine.engine import Engine, EngineStats
 from loraplex.server.engine.request import Request, RequestOutput
 
@@ -52,7 +52,8 @@ class EngineLoop:
         self._stats_time = 0.0
         self.error: str | None = None  # set when step() itself failed: the worker is broken
         # Load this (the asyncio) thread's tokenizer now, not on the first request.
-        engine.tokenizer.for_this_thread()
+        if engine.tokenizer is not None:
+            engine.tokenizer.for_this_thread()
 
     def start(self) -> None:
         self._thread.start()
@@ -70,7 +71,9 @@ class EngineLoop:
             ValueError: the engine refused it (the message names the field), for example a
                 prompt that does not fit the context.
         """
-        prompt = request.prompt if isinstance(request.prompt, str) else list(request.prompt)
+        prompt = request.prompt
+        if not isinstance(prompt, (str, ChatMessages)):
+            prompt = list(prompt)
         req = self.engine.add_request(request.request_id, prompt, request.params,
                                       adapter_digest=request.adapter_digest,
                                       tenant=request.tenant)
@@ -100,7 +103,8 @@ class EngineLoop:
             self._post(self._fail_all, self.error)
 
     def _serve(self) -> None:
-        self.engine.tokenizer.for_this_thread()  # the engine thread's own (detokenization)
+        if self.engine.tokenizer is not None:  # the engine thread's own (detokenization)
+            self.engine.tokenizer.for_this_thread()
         while not self._stopping.is_set():
             self._wake.clear()
             if not self.engine.has_unfinished():

@@ -6,8 +6,9 @@ edge for both wires: the gRPC servicer in ``convert.py`` and the OpenAI HTTP API
 call's ``CallContext``):
 
 1. Authenticate the API key (``auth.KeyRing``): the key names the tenant.
-2. Bound every field that needs no tokenizer (prompt bytes, max_tokens, stop strings,
-   logprobs, ids): ``INVALID_ARGUMENT`` before anything is queued.
+2. Bound every field that needs no tokenizer (prompt bytes, chat messages: count, roles and
+   content bytes; max_tokens, stop strings, logprobs, ids): ``INVALID_ARGUMENT`` before
+   anything is queued.
 3. Resolve ``name[@version]`` to a digest through the adapter store, in the tenant's own
    namespace: another tenant's adapter is ``NOT_FOUND`` exactly like a missing one.
 4. Admit it under the tenant's quota (``quota.Quotas``: requests in flight, tokens per
@@ -45,7 +46,7 @@ from loraplex.server import convert
 from loraplex.server.api import (
     ORIGIN_REQUEST,
     ORIGIN_SERVER,
-    ChatMessage,
+    ChatMessages,
     Completion,
     GenerateChunk,
     GenerateRequest,
@@ -53,7 +54,6 @@ from loraplex.server.api import (
     Timing,
     Usage,
     WorkerRequest,
-    is_messages,
 )
 from loraplex.server.auth import KeyRing
 from loraplex.server.config import GatewayConfig
@@ -61,8 +61,10 @@ from loraplex.server.engine.models.config import ModelConfig
 from loraplex.server.gateway_adapters import AdaptersService, UploadLimits
 from loraplex.server.gateway_pool import WorkerPool
 from loraplex.server.metrics import GatewayMetrics, MetricsServer, StreamTimer
+from loraplex.server.params import check_messages
 from loraplex.server.quota import LocalQuotaBackend, QuotaBackend, Quotas, Ticket
 from loraplex.server.quote import quote
+from loraplex.server.startup import cannot_bind
 from loraplex.server.worker import format_address, grpc_server_options
 
 if TYPE_CHECKING:
@@ -71,10 +73,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_STOP_TOKEN_IDS = 64
+MAX_CHAT_MESSAGES = 512
 MAX_REQUEST_ID_CHARS = 128
 MAX_ADAPTER_REF_CHARS = 160
-MAX_CHAT_MESSAGES = 1024
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # A full worker queue suggests this wait before a retry (RESOURCE_EXHAUSTED, HTTP 429).
 QUEUE_FULL_RETRY_AFTER_SECONDS = 1.0
 # The base model's ``model`` name on the HTTP API when the commands give none.
@@ -98,14 +99,17 @@ def check_bounds(request: GenerateRequest, config: GatewayConfig) -> None:
         return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
     prompt = request.prompt
-    if isinstance(prompt, str):
+    if isinstance(prompt, ChatMessages):
+        try:
+            check_messages(prompt, MAX_CHAT_MESSAGES, config.max_prompt_bytes)
+        except ValueError as exc:
+            raise bad(str(exc)) from None
+    elif isinstance(prompt, str):
         size = len(prompt.encode("utf-8", "surrogatepass"))
         if size == 0:
             raise bad("prompt: must not be empty")
         if size > config.max_prompt_bytes:
             raise bad(f"prompt: {size} bytes, over the limit of {config.max_prompt_bytes}")
-    elif is_messages(prompt):
-        check_messages(prompt, config)
     else:
         if not prompt:
             raise bad("prompt: must not be empty")
@@ -122,33 +126,6 @@ def check_bounds(request: GenerateRequest, config: GatewayConfig) -> None:
         raise bad(f"request_id: at most {MAX_REQUEST_ID_CHARS} printable characters")
     if len(request.adapter) > MAX_ADAPTER_REF_CHARS:
         raise bad(f"adapter: at most {MAX_ADAPTER_REF_CHARS} characters")
-
-
-def check_messages(messages: tuple[ChatMessage, ...], config: GatewayConfig) -> None:
-    """Bound a chat prompt: roles, the number of messages and their bytes together.
-
-    Raises:
-        ServiceError: INVALID_ARGUMENT naming the field.
-    """
-    def bad(message: str) -> ServiceError:
-        return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
-
-    if len(messages) > MAX_CHAT_MESSAGES:
-        raise bad(f"messages: at most {MAX_CHAT_MESSAGES} messages")
-    size = 0
-    for i, m in enumerate(messages):
-        if not isinstance(m, ChatMessage):
-            raise bad(f"messages[{i}]: must be a chat message")
-        if m.role not in CHAT_ROLES:
-            raise bad(f"messages[{i}].role: must be one of {', '.join(CHAT_ROLES)}, "
-                      f"got {m.role!r}")
-        size += len(m.content.encode("utf-8", "surrogatepass"))
-    if size > config.max_prompt_bytes:
-        raise bad(f"messages: {size} bytes of content, over the limit of "
-                  f"{config.max_prompt_bytes}")
-    if not convert.carries_messages():
-        raise bad("messages: chat needs the messages prompt of the worker API, which this "
-                  "build does not have yet; send a text prompt to /v1/completions")
 
 
 class CallContext(Protocol):
@@ -439,10 +416,13 @@ class Gateway:
                            "authentication. Give --api-keys FILE before exposing this gateway.")
         server = grpc.aio.server(options=grpc_server_options())
         address = format_address(self.config.host, self.config.port)
-        if self.config.tls is not None:
-            self.port = server.add_secure_port(address, self.config.tls.credentials())
-        else:
-            self.port = server.add_insecure_port(address)
+        try:
+            if self.config.tls is not None:
+                self.port = server.add_secure_port(address, self.config.tls.credentials())
+            else:
+                self.port = server.add_insecure_port(address)
+        except RuntimeError:  # grpc's "Failed to bind": taken since check_port_free ran
+            raise cannot_bind(self.config.host, self.config.port, "--port") from None
         if self.port == 0:
             raise OSError(f"gateway: cannot listen on {self.address}")
         names = [convert.add_generation_service(server, self.generation),

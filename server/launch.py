@@ -17,7 +17,7 @@ from loraplex.server.settings import from_args
 
 if TYPE_CHECKING:
     from loraplex.server.auth import KeyRing
-    from loraplex.server.config import GatewayConfig
+    from loraplex.server.config import GatewayConfig, WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +77,22 @@ def _on_signals(drain: Callable[[], Coroutine[Any, Any, None]],
 
 def _key_ring(config: GatewayConfig) -> KeyRing:
     from loraplex.server.auth import KeyRing
+    from loraplex.server.startup import check_key_file
 
+    check_key_file(config.api_keys)
     return KeyRing(path=config.api_keys, text=config.api_key_hashes)
+
+
+def _check_ports(config: GatewayConfig | WorkerConfig) -> None:
+    """A taken ``--port``, ``--metrics-port`` or ``--http-port`` fails now, before the model
+    is loaded."""
+    from loraplex.server.startup import check_port_free
+
+    check_port_free(config.host, config.port, "--port")
+    check_port_free(config.host, config.metrics_port, "--metrics-port")
+    http_port = getattr(config, "http_port", -1)
+    if http_port > 0:
+        check_port_free(config.host, http_port, "--http-port")
 
 
 def served_model_name(model: str) -> str:
@@ -117,6 +131,7 @@ async def serve(args: argparse.Namespace) -> int:
     engine_config = engine_config_from_args(args)
     early = _gateway_config(args, workers=("-",))
     keys = _key_ring(early)
+    _check_ports(early)
     check_exposure(early, keys)
     if early.tls is not None:
         early.tls.credentials()  # bad TLS files fail now, not after the engine is built
@@ -149,9 +164,10 @@ async def serve(args: argparse.Namespace) -> int:
 
     fatal.stop = stop
     _on_signals(drain, stop, keys.reload)
+    chat = engine.tokenizer is not None and engine.tokenizer.has_chat_template
     _print_ready(gateway.address, engine_config.model, spec, keys.keyless,
                  metrics.port if metrics else None, config.host, config.tls is not None,
-                 gateway.http_url, config.served_model_name)
+                 gateway.http_url, config.served_model_name, chat)
     try:
         await gateway.wait()
         await worker.wait()
@@ -165,7 +181,7 @@ async def serve(args: argparse.Namespace) -> int:
 
 def _print_ready(address: str, model: str, store: str, keyless: bool, metrics_port: int | None,
                  host: str, tls: bool = False, http_url: str | None = None,
-                 served_name: str = "") -> None:
+                 served_name: str = "", chat: bool = False) -> None:
     scheme = "TLS" if tls else "plaintext"
     lines = [f"loraplex serving {model} on {address} ({scheme}, adapter store "
              f"{redact(store)})"]
@@ -186,6 +202,8 @@ def _print_ready(address: str, model: str, store: str, keyless: bool, metrics_po
         "  loraplex demo-adapter /tmp/demo-lora",
         f"  loraplex adapters push --server {address}{key} --name demo /tmp/demo-lora",
         f"  loraplex generate --server {address}{key} --adapter demo \"{EXAMPLE_PROMPT}\"",
+        *([f"  loraplex generate --server {address}{key} --chat \"What is LoRA?\""]
+          if chat else []),
         f"  grpcurl {'' if tls else '-plaintext '}"
         f"-d '{{\"text\": \"{EXAMPLE_PROMPT}\"}}' {address} "
         "loraplex.v1.Generation/GenerateStream",
@@ -208,6 +226,7 @@ async def gateway(args: argparse.Namespace) -> int:
     if not config.workers:
         raise ValueError("--workers: give HOST:PORT,... (or LORAPLEX_WORKERS)")
     keys = _key_ring(config)
+    _check_ports(config)
     base = base_model_config(config.model)
     spec = _store_spec(args)
     store = open_store(spec, base)
@@ -239,6 +258,7 @@ async def worker(args: argparse.Namespace) -> int:
 
     engine_config = engine_config_from_args(args)
     config = from_args(WorkerConfig, args)
+    _check_ports(config)
     base = ModelConfig.from_pretrained(resolve_model_path(engine_config.model))
     store = open_store(_store_spec(args), base)
     engine = await asyncio.to_thread(build_engine, engine_config, store)

@@ -8,6 +8,7 @@ are updated as requests go; the worker's engine gauges and counters are read fro
 
 from __future__ import annotations
 
+import errno
 import time
 from collections.abc import Callable, Iterator
 
@@ -16,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from loraplex.server.engine.engine import EngineStats
+from loraplex.server.startup import port_in_use
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                    120.0, 300.0)
@@ -212,7 +214,13 @@ class MetricsServer:
     """``/metrics`` over HTTP on its own thread."""
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
-        self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
+        """Raises ``StartupError`` naming ``--metrics-port`` when the port is taken."""
+        try:
+            self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            raise port_in_use(host, port, "--metrics-port") from None
         self.host = host
         self.port = int(self._httpd.server_port)
 

@@ -39,16 +39,16 @@ from typing import NamedTuple, Protocol
 
 import grpc
 
-from loraplex.server.api import GenerateRequest, Prompt, ServiceError, Usage, is_messages
+from loraplex.server.api import ChatMessages, GenerateRequest, Prompt, ServiceError, Usage
 
 logger = logging.getLogger(__name__)
 
 # Special tokens (BOS, EOS) a tokenizer may add to a text prompt.
 TEXT_PROMPT_SPECIAL_TOKENS = 2
-# What a chat template may add around each message (role markers, separators) and once
-# (a default system prompt, the assistant's turn): the charge is settled to real usage later.
-CHAT_MESSAGE_TEMPLATE_TOKENS = 16
-CHAT_TEMPLATE_TOKENS = 64
+# What a chat template adds, estimated (a template may add any text; the charge is settled to
+# the real usage when the request ends): per message (role, turn markers) and once.
+CHAT_TOKENS_PER_MESSAGE = 16
+CHAT_TEMPLATE_TOKENS = 128
 # A refusal for requests in flight suggests this wait (one finishing frees the slot).
 CONCURRENCY_RETRY_AFTER_SECONDS = 1.0
 
@@ -115,13 +115,14 @@ class Ticket:
 
 
 def prompt_tokens_bound(prompt: Prompt) -> int:
-    """An upper bound on a prompt's tokens that needs no tokenizer (see the module docstring)."""
+    """An upper bound on a prompt's tokens that needs no tokenizer (see the module docstring;
+    for chat messages, an estimate of what the template adds)."""
+    if isinstance(prompt, ChatMessages):
+        return CHAT_TEMPLATE_TOKENS + sum(
+            len(m.content.encode("utf-8", "surrogatepass")) + CHAT_TOKENS_PER_MESSAGE
+            for m in prompt.messages)
     if isinstance(prompt, str):
         return len(prompt.encode("utf-8", "surrogatepass")) + TEXT_PROMPT_SPECIAL_TOKENS
-    if is_messages(prompt):
-        # A chat template adds a few tokens around each message (role markers, separators).
-        return sum(len(m.role.encode()) + len(m.content.encode("utf-8", "surrogatepass"))
-                   + CHAT_MESSAGE_TEMPLATE_TOKENS for m in prompt) + CHAT_TEMPLATE_TOKENS
     return len(prompt)
 
 

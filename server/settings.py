@@ -167,6 +167,20 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, only: tuple[str, ..
         _ACTIONS[parser.add_argument(sf.flag, **kwargs)] = sf
 
 
+def set_flag_default(parser: argparse.ArgumentParser, name: str, value: Any) -> None:
+    """Give one command's flag of setting ``name`` another default than its field's (its help
+    line and the docs table follow). Raises KeyError when the parser has no such flag."""
+    for action in parser._actions:
+        sf = setting_of(action)
+        if sf is not None and sf.name == name:
+            sf = sf._replace(default=value)
+            action.default = value
+            action.help = sf.help()
+            _ACTIONS[action] = sf
+            return
+    raise KeyError(name)
+
+
 def setting_of(action: argparse.Action) -> SettingField | None:
     """The setting an ``add_flags`` flag was made from (None for other flags)."""
     return _ACTIONS.get(action)

@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry
 from loraplex.server import convert
 from loraplex.server.api import (
     FINISH_REASONS,
+    MAX_MESSAGE_BYTES,
     ORIGIN_SERVER,
     GenerateChunk,
     ServiceError,
@@ -42,10 +43,9 @@ from loraplex.server.engine.engine import Engine, EngineStats
 from loraplex.server.engine.request import Request, RequestOutput
 from loraplex.server.engine_loop import EngineLoop
 from loraplex.server.metrics import MetricsServer, StreamTimer, WorkerMetrics
+from loraplex.server.startup import cannot_bind
 
 logger = logging.getLogger(__name__)
-
-MAX_MESSAGE_BYTES = 64 << 20
 
 
 def format_address(host: str, port: int) -> str:
@@ -244,7 +244,11 @@ class WorkerServer:
         self._loop = EngineLoop(self.engine, asyncio.get_running_loop(),
                                 on_fatal=self._engine_failed)
         server = grpc.aio.server(options=grpc_server_options())
-        self.port = server.add_insecure_port(format_address(self.config.host, self.config.port))
+        try:
+            self.port = server.add_insecure_port(format_address(self.config.host,
+                                                                self.config.port))
+        except RuntimeError:  # grpc's "Failed to bind": the port is taken
+            raise cannot_bind(self.config.host, self.config.port, "--port") from None
         if self.port == 0:
             raise OSError(f"worker: cannot listen on {self.address}")
         worker_id = self.config.worker_id or f"{socket.gethostname()}:{self.port}"

@@ -11,7 +11,7 @@ import logging
 import queue
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -33,8 +33,9 @@ from loraplex.server.engine.request import (
 )
 from loraplex.server.engine.sampler import SamplingMetadata, sample
 from loraplex.server.engine.scheduler import Scheduler
-from loraplex.server.engine.tokenizer import Detokenizer, Tokenizer
+from loraplex.server.engine.tokenizer import Detokenizer, load_tokenizer
 from loraplex.server.engine.warmup import warm_up
+from loraplex.server.params import CHAT_ROLES, ChatMessages
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class Engine:
         self.dtype = parse_dtype(config.dtype)
         self.device = torch.device(config.device)
         self.max_model_len = self._max_model_len()
-        self.tokenizer = Tokenizer(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path)  # None: token-id prompts only
         model = load_weights(self.model_path, self.model_config, self.dtype, self.device)
         self.page_elems = kv_page_elems(config.page_size, self.model_config.num_kv_heads,
                                         self.model_config.head_dim)
@@ -111,7 +112,7 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.pager, self.adapters,
                                    self.prefix_cache)
         eos = set(self.model_config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self._requests: dict[str, Request] = {}
@@ -164,10 +165,15 @@ class Engine:
         return int(num_pages)
 
     # -- requests ------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int],
+    def add_request(self, request_id: str, prompt: str | list[int] | ChatMessages,
                     params: SamplingParams | None = None, adapter_digest: str | None = None,
                     tenant: str = "default") -> Request:
-        """Validate and queue a request (any thread). Raises ``ValueError`` naming the field."""
+        """Validate and queue a request (any thread). Raises ``ValueError`` naming the field.
+
+        ``prompt`` is text, token ids, or chat messages, which the model's chat template
+        renders (ending with the assistant's turn); a chat request also stops at the
+        template's end-of-turn token unless ``ignore_eos`` is set.
+        """
         params = params or SamplingParams()
         if not request_id:
             raise ValueError("request_id: must not be empty")
@@ -175,7 +181,7 @@ class Engine:
             raise ValueError("adapter: this engine serves no adapters (no adapter source)")
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        token_ids, params = self._encode(prompt, params)
         if not token_ids or (isinstance(prompt, str) and not prompt):
             raise ValueError("prompt: must not be empty")
         vocab = self.model_config.vocab_size
@@ -197,6 +203,29 @@ class Engine:
         self._detok[request_id] = Detokenizer(self.tokenizer, req)
         self._inbox.put(("add", req))
         return req
+
+    def _encode(self, prompt: str | list[int] | ChatMessages, params: SamplingParams
+                ) -> tuple[list[int], SamplingParams]:
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: this model has no tokenizer to match stop strings")
+        if not isinstance(prompt, (str, ChatMessages)):
+            return list(prompt), params
+        if self.tokenizer is None:
+            field_name = "messages" if isinstance(prompt, ChatMessages) else "prompt"
+            raise ValueError(f"{field_name}: this model has no tokenizer; send token_ids")
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt), params
+        if not prompt.messages:
+            raise ValueError("messages: must not be empty")
+        for i, m in enumerate(prompt.messages):
+            if m.role not in CHAT_ROLES:
+                raise ValueError(f"messages[{i}].role: {m.role[:32]!r} is not one of "
+                                 f"{', '.join(CHAT_ROLES)}")
+        token_ids = self.tokenizer.apply_chat_template(prompt.as_dicts())
+        eot = self.tokenizer.end_of_turn_id
+        if eot is not None and not params.ignore_eos and eot not in params.stop_token_ids:
+            params = replace(params, stop_token_ids=(*params.stop_token_ids, eot))
+        return token_ids, params
 
     def abort(self, request_id: str) -> None:
         """Stop a request (any thread); its pages return within the next step."""

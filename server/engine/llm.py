@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from loraplex.server.config import EngineConfig, SchedulerConfig
 from loraplex.server.engine.engine import Engine
 from loraplex.server.engine.request import SamplingParams, TokenLogprob
+from loraplex.server.params import ChatMessages
 
 
 @dataclass
@@ -37,13 +38,13 @@ class LLM:
         self.engine = engine
         self._ids = itertools.count()
 
-    def generate(self, prompts: Sequence[str | list[int]],
+    def generate(self, prompts: Sequence[str | list[int] | ChatMessages],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  adapters: Sequence[str | None] | None = None) -> list[Completion]:
         """Generate for every prompt; results in prompt order.
 
         Args:
-            prompts: text or token ids.
+            prompts: text, token ids, or chat messages (rendered by the chat template).
             sampling_params: one for all, or one per prompt.
             adapters: adapter digest per prompt (None: the base model).
         """

@@ -4,85 +4,22 @@ scheduler, the pager, the model runner and the sampler."""
 from __future__ import annotations
 
 import enum
-import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from loraplex.server.quote import quote
+from loraplex.server.params import (
+    MAX_LOGPROBS,
+    MAX_STOP_STRING_LEN,
+    MAX_STOP_STRINGS,
+    MIN_TEMPERATURE,
+    SamplingParams,
+    TokenLogprob,
+)
 
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_LEN = 256
-MAX_LOGPROBS = 20
-# The sampler divides float32 logits by the temperature, whatever the serving dtype (logits are
-# cast to float32 first). At 1e-2 a logit overflows float32 only beyond 3.4e36, far past what
-# finite fp16/bf16/fp32 activations give a working model, while 1e-300 turns any logit into
-# inf; below 1e-2 sampling is greedy in effect anyway (vLLM clamps at the same bound).
-MIN_TEMPERATURE = 1e-2
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens. ``temperature == 0`` is greedy; validation raises ``ValueError``
-    naming the field.
-
-    Attributes:
-        max_tokens: tokens to generate at most.
-        temperature: softmax temperature; 0 picks the most likely token, else at least
-            ``MIN_TEMPERATURE`` (0.01).
-        top_k: keep the k most likely tokens (0: all).
-        top_p: keep the smallest set of tokens whose probability reaches p.
-        seed: per-request seed; the same seed gives the same tokens alone or in any batch.
-        stop_token_ids: tokens that end generation (kept in the output ids, not in the text).
-        stop: strings that end generation; removed from the text, matched across tokens.
-        ignore_eos: keep generating past the model's end-of-sequence token.
-        logprobs: None for no logprobs; n >= 0 returns the chosen token's logprob and the top n.
-    """
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature: must be finite and >= 0, got {self.temperature!r}")
-        if 0 < self.temperature < MIN_TEMPERATURE:
-            raise ValueError(f"temperature: must be 0 (greedy) or >= {MIN_TEMPERATURE}, got "
-                             f"{self.temperature!r} (smaller ones overflow the float32 "
-                             "logits the sampler divides)")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k: must be an integer >= 0 (0 disables), got {self.top_k!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not (isinstance(self.seed, int)
-                                          and 0 <= self.seed < 2**63):
-            raise ValueError(f"seed: must be an integer in [0, 2^63), got {self.seed!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids: must be non-negative integers")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings")
-        for s in self.stop:
-            if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_LEN:
-                shown = quote(s) if isinstance(s, str) else type(s).__name__
-                raise ValueError(f"stop: each stop string must be 1..{MAX_STOP_STRING_LEN} "
-                                 f"characters, got {shown}")
-        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+__all__ = ["MAX_LOGPROBS", "MAX_STOP_STRINGS", "MAX_STOP_STRING_LEN", "MIN_TEMPERATURE",
+           "Request", "RequestOutput", "RequestStatus", "SamplingParams", "TokenLogprob"]
 
 
 class RequestStatus(enum.Enum):
@@ -96,15 +33,6 @@ class RequestStatus(enum.Enum):
     @property
     def finished(self) -> bool:
         return self.name.startswith("FINISHED")
-
-
-@dataclass
-class TokenLogprob:
-    """The chosen token's logprob and, when asked for, the top-n alternatives."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass

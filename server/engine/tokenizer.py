@@ -1,16 +1,33 @@
-"""Tokenizers (Hugging Face ``tokenizer.json``, never remote code) and incremental
-detokenization with stop strings matched across token boundaries."""
+"""Tokenizers (Hugging Face ``tokenizer.json``, never remote code), chat templates, and
+incremental detokenization with stop strings matched across token boundaries."""
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from loraplex.server.engine.request import Request
 
+logger = logging.getLogger(__name__)
+
 # Tokens decoded before the new ones, so that merges and leading spaces decode as in context.
 _CONTEXT_TOKENS = 5
+# Any of these makes a model folder's tokenizer loadable; without them the model serves
+# token-id prompts only (transformers would fail with "Couldn't instantiate the backend").
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
+_SENTINEL = "LORAPLEXENDOFTURNPROBE"
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer | None:
+    """The model folder's tokenizer, or None when it has no tokenizer files."""
+    if not any((Path(path) / name).exists() for name in TOKENIZER_FILES):
+        logger.warning("%s has no tokenizer files (%s): serving token-id prompts only", path,
+                       ", ".join(TOKENIZER_FILES))
+        return None
+    return Tokenizer(path)
 
 
 class Tokenizer:
@@ -21,12 +38,22 @@ class Tokenizer:
     (transformers does, on a call whose truncation or padding differs from the loaded ones)
     while another encodes or decodes, and the worker encodes prompts on the asyncio thread
     while the engine thread decodes outputs.
+
+    Attributes:
+        eos_token_id: the tokenizer's end-of-sequence token (None: none).
+        has_chat_template: whether ``apply_chat_template`` can render messages.
+        end_of_turn_id: the token the chat template closes each turn with (``<|im_end|>`` for
+            ChatML), which ends a chat request's generation; None when there is none or it
+            is not a single special token.
     """
 
     def __init__(self, path: str | Path) -> None:
         self.path = str(path)
         self._local = threading.local()
-        self.eos_token_id: int | None = self.for_this_thread().eos_token_id
+        tok = self.for_this_thread()
+        self.eos_token_id: int | None = tok.eos_token_id
+        self.has_chat_template = bool(getattr(tok, "chat_template", None))
+        self.end_of_turn_id = self._end_of_turn_id() if self.has_chat_template else None
 
     def for_this_thread(self) -> Any:
         """This thread's tokenizer (loaded now if the thread never used one)."""
@@ -44,12 +71,48 @@ class Tokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return str(self.for_this_thread().decode(token_ids, skip_special_tokens=True))
 
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """The token ids of ``messages`` rendered by the model's chat template, followed by
+        the prompt of the assistant's turn.
+
+        Raises:
+            ValueError: the model has no chat template, or the template refuses the messages.
+        """
+        if not self.has_chat_template:
+            raise ValueError("messages: this model has no chat template; send text or "
+                             "token_ids")
+        try:
+            out: Any = self.for_this_thread().apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True)
+        except Exception as exc:  # the template's own checks (jinja2 raise_exception, ...)
+            raise ValueError(f"messages: the chat template refused them: {exc}") from None
+        if isinstance(out, Mapping) or hasattr(out, "input_ids"):
+            out = out["input_ids"]  # newer transformers return a BatchEncoding
+        return [int(t) for t in out]
+
+    def _end_of_turn_id(self) -> int | None:
+        # Render a finished assistant turn and read the first token after its content: the
+        # template's end-of-turn marker, if it is one special token.
+        tok = self.for_this_thread()
+        turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _SENTINEL}]
+        try:
+            text = str(tok.apply_chat_template(turns, tokenize=False))
+        except Exception:  # a template that refuses this shape: no end-of-turn stop
+            logger.warning("could not probe the chat template's end-of-turn token")
+            return None
+        at = text.find(_SENTINEL)
+        if at < 0:
+            return None
+        ids = tok(text[at + len(_SENTINEL):], add_special_tokens=False)["input_ids"]
+        special = set(tok.all_special_ids) | set(tok.added_tokens_decoder)
+        return int(ids[0]) if ids and ids[0] in special else None
+
 
 class Detokenizer:
     """Turns a request's output tokens into text deltas, holding back any tail that could
     still become a stop string so that a stop string is never streamed."""
 
-    def __init__(self, tokenizer: Tokenizer, request: Request) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, request: Request) -> None:
         self.tokenizer = tokenizer
         self.stops = request.params.stop
         self._hold = max((len(s) for s in self.stops), default=1) - 1
@@ -60,8 +123,11 @@ class Detokenizer:
         self._emitted = 0
 
     def add(self, token_id: int, finished: bool) -> tuple[str, bool]:
-        """Append one token. Returns (text now safe to emit, whether a stop string matched)."""
+        """Append one token. Returns (text now safe to emit, whether a stop string matched);
+        without a tokenizer the text is always empty."""
         self._ids.append(token_id)
+        if self.tokenizer is None:
+            return "", False
         prefix = self.tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
         full = self.tokenizer.decode(self._ids[self._prefix_offset:])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from loraplex.server.api import ChatMessage, GenerateRequest
+from loraplex.server.api import ChatMessage, ChatMessages, GenerateRequest
 from loraplex.server.engine.request import SamplingParams
 
 MAX_JSON_DEPTH = 32
@@ -240,7 +240,10 @@ def chat_request(doc: Any, default_max_tokens: int, request_id: str = ""
                              param="top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = _params(body, default_max_tokens if max_tokens is None else max_tokens, logprobs)
-    messages = tuple(ChatMessage(role=m.role, content=m.content if isinstance(m.content, str)
-                                 else "".join(part.text for part in m.content))
-                     for m in body.messages)
+    # OpenAI's "developer" messages are what chat templates know as "system" ones.
+    messages = ChatMessages(tuple(
+        ChatMessage(role="system" if m.role == "developer" else m.role,
+                    content=m.content if isinstance(m.content, str)
+                    else "".join(part.text for part in m.content))
+        for m in body.messages))
     return body, GenerateRequest(prompt=messages, params=params, request_id=request_id)

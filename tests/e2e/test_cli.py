@@ -34,6 +34,14 @@ def test_serve_generate_push_and_sigterm(model_dir: Path, tmp_path: Path,
         assert "[length: " in err and " + 6 completion tokens" in err
         with Client(address, api_key="") as client:
             assert out.rstrip("\n") == client.generate("Hello", max_tokens=6, seed=1).text
+        assert cli_main(["generate", "--server", address, "--max-tokens", "6", "--system",
+                         "Be brief.", "--chat", "Hello"]) == 0
+        out, err = capsys.readouterr()
+        chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+        with Client(address, api_key="") as client:
+            assert out.rstrip("\n") == client.generate(messages=chat, max_tokens=6).text
+        assert cli_main(["generate", "--server", address, "--system", "x", "Hello"]) == 2
+        capsys.readouterr()
 
         adapter = tmp_path / "demo-lora"
         assert cli_main(["demo-adapter", str(adapter), "--model", str(model_dir)]) == 0

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "tenant", "adapter_digest", "text", "token_ids", "params")
+    __slots__ = ("request_id", "tenant", "adapter_digest", "text", "token_ids", "messages", "params")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_DIGEST_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant: str
     adapter_digest: str
     text: str
     token_ids: _generation_pb2.TokenIds
+    messages: _generation_pb2.ChatMessages
     params: _generation_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., adapter_digest: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[_generation_pb2.TokenIds, _Mapping]] = ..., params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., adapter_digest: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[_generation_pb2.TokenIds, _Mapping]] = ..., messages: _Optional[_Union[_generation_pb2.ChatMessages, _Mapping]] = ..., params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

@@ -181,8 +181,13 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
-        """Read ``<path>/config.json``."""
-        with open(Path(path) / "config.json", encoding="utf-8") as f:
+        """Read ``<path>/config.json``; ``ValueError`` naming ``path`` when there is none."""
+        config = Path(path) / "config.json"
+        if not config.is_file():
+            what = "has no config.json" if Path(path).exists() else "does not exist"
+            raise ValueError(f"model: {path} {what} (give a Hugging Face model directory, or "
+                             "--model demo)")
+        with open(config, encoding="utf-8") as f:
             return cls.from_hf_dict(json.load(f))
 
 

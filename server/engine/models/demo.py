@@ -1,5 +1,6 @@
-"""``--model demo``: a small deterministic random-weight Llama with a byte-level tokenizer,
-built once into the cache directory (like vLLM's dummy weights; no network)."""
+"""``--model demo``: a small deterministic random-weight Llama with a byte-level tokenizer
+and a minimal ChatML chat template, built once into the cache directory (like vLLM's dummy
+weights; no network)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,16 @@ from safetensors.torch import save_file
 from loraplex.server import env
 from loraplex.server.engine.models.config import ModelConfig
 
-DEMO_VERSION = 1
+DEMO_VERSION = 2  # bumped whenever what is built changes: cached copies are then rebuilt
 NUM_BYTE_TOKENS = 256
 BOS, EOS, PAD = 256, 257, 258
+IM_START, IM_END = 259, 260  # ChatML's turn markers
+# ChatML, as Qwen2 and SmolLM2 use it, without a default system prompt.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 DEMO_HF_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -104,8 +112,9 @@ def write_random_llama(path: Path, hf_config: dict, seed: int, std: float = 0.08
         json.dump(hf_config, f, indent=2)
 
 
-def write_byte_tokenizer(path: Path) -> None:
-    """A byte-level tokenizer: ids 0..255 are bytes, then ``<s>``, ``</s>``, ``<pad>``."""
+def write_byte_tokenizer(path: Path, chat_template: bool = True) -> None:
+    """A byte-level tokenizer: ids 0..255 are bytes, then ``<s>``, ``</s>``, ``<pad>``,
+    ``<|im_start|>``, ``<|im_end|>``; with ``chat_template``, the ChatML template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from tokenizers.pre_tokenizers import ByteLevel
 
@@ -115,13 +124,16 @@ def write_byte_tokenizer(path: Path) -> None:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<s>", "</s>", "<pad>"])
+    tok.add_special_tokens(["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"])
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS)])
     tok.save(str(path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+              "eos_token": "</s>", "pad_token": "<pad>", "model_max_length": 2048}
+    if chat_template:
+        config["chat_template"] = CHATML_TEMPLATE
     with open(path / "tokenizer_config.json", "w", encoding="utf-8") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
-                   "eos_token": "</s>", "pad_token": "<pad>", "model_max_length": 2048}, f)
+        json.dump(config, f)
     with open(path / "generation_config.json", "w", encoding="utf-8") as f:
         json.dump({"bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD}, f)
 
