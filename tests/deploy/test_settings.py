@@ -15,7 +15,7 @@ import pytest
 from loraplex.server.cli import build_parser
 from loraplex.server.commands import SERVE_GATEWAY_EXCLUDES, SERVE_WORKER_EXCLUDES
 from loraplex.server.config import EngineConfig, GatewayConfig, StoreConfig, WorkerConfig
-from loraplex.server.settings import SettingField, from_args, settings_of
+from loraplex.server.settings import SettingField, from_args, setting_of, settings_of
 from tests.deploy.chart import VALUE_SETS, chart, render
 from tests.deploy.pods import resolve
 from tests.deploy.test_chart_flags import (
@@ -110,11 +110,13 @@ def test_every_field_has_its_flag(command: str, monkeypatch: pytest.MonkeyPatch)
                or sf.flag not in flags[sf.name].option_strings]
     assert not missing, f"fields with no flag of `loraplex {command}`: {missing}"
     # With no flag and no variable, each field has its flag's default: the field's own, or
-    # the command's (``flag_default``) through ``parse``.
+    # the setting's (``flag_default``) or this command's (``set_flag_default``) through
+    # ``parse``.
     configs = _build(command, build_parser().parse_args([command]))
     wrong = {}
     for sf in _settings(command):
-        want = sf.setting.parse(sf.default) if sf.setting.parse is not None else sf.default
+        default = (setting_of(flags[sf.name]) or sf).default
+        want = sf.setting.parse(default) if sf.setting.parse is not None else default
         if _field(configs, sf) != want:
             wrong[sf.name] = (_field(configs, sf), want)
     assert not wrong, f"defaults of `loraplex {command}` (got, want): {wrong}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from loraplex.server.api import ChatMessage
+from loraplex.server.api import ChatMessage, ChatMessages
 from loraplex.server.http.schema import (
     MAX_JSON_DEPTH,
     BadRequest,
@@ -25,7 +25,8 @@ def test_chat_messages_become_the_prompt() -> None:
         "max_completion_tokens": 7, "temperature": 0, "seed": 3, "stop": "END",
         "logprobs": True, "top_logprobs": 4, "user": "u-1",
         "stream": True, "stream_options": {"include_usage": True}}, 99, "rid")
-    assert request.prompt == (ChatMessage("system", "be brief"), ChatMessage("user", "hello"))
+    assert request.prompt == ChatMessages((ChatMessage("system", "be brief"),
+                                           ChatMessage("user", "hello")))
     p = request.params
     assert (p.max_tokens, p.temperature, p.seed, p.stop, p.logprobs) == (7, 0.0, 3, ("END",), 4)
     assert request.request_id == "rid" and body.stream and body.stream_options is not None
