@@ -122,11 +122,12 @@ class Engine:
 
     # -- set-up ------------------------------------------------------------------------------
     def warmup(self) -> None:
-        """Compile the kernels before serving: run the model on two dummy steps (a mixed one
-        and a decode-only one, with and without a LoRA segment) on borrowed free pages, which
-        all return to the pager. Called by ``__init__`` with Triton kernels on CUDA."""
+        """Compile every kernel variant before serving (``warmup.py``: dummy model steps with
+        and without a LoRA segment, a split-keys decode, each LoRA variant up to ``max_rank``)
+        on borrowed free pages, which all return to the pager. Called by ``__init__`` with
+        Triton kernels on CUDA."""
         rank = min(16, self.config.max_rank) if self.adapters is not None else None
-        warm_up(self.runner, self.pager, self.max_model_len, rank)
+        warm_up(self.runner, self.pager, self.max_model_len, rank, self.config.max_rank)
 
     def _max_model_len(self) -> int:
         length = self.model_config.max_position_embeddings
