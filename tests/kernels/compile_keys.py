@@ -1,5 +1,5 @@
-"""Which binaries Triton would compile: each launch's compile key, recorded by a pre-run hook on
-every kernel of ``kernels/`` (natively and under the interpreter, which compiles nothing).
+"""Which binaries Triton would compile: each launch's compile key, recorded around the ``run``
+of every kernel of ``kernels/`` (natively and under the interpreter, which compiles nothing).
 
 The key is what Triton's ``JITFunction.run`` looks its cache up with: the kernel, its
 compile-time arguments (``num_warps`` included) and, for every other argument, its type and
@@ -57,10 +57,13 @@ def record_compile_keys(monkeypatch: pytest.MonkeyPatch) -> list[Variant]:
     """Record the compile key of every kernel launch from now on (in launch order)."""
     keys: list[Variant] = []
     for kernel in all_kernels():
-        def hook(*args: Any, _kernel: Any = kernel, **kwargs: Any) -> None:
-            keys.append(compile_key(_kernel, args, kwargs))
+        # wraps run itself: the interpreter hands pre-run hooks host copies and drops num_warps
+        def run(*args: Any, _run: Any = kernel.run, _kernel: Any = kernel, **kwargs: Any) -> Any:
+            launch = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
+            keys.append(compile_key(_kernel, args, launch))
+            return _run(*args, **kwargs)
 
-        monkeypatch.setattr(kernel, "pre_run_hooks", [*kernel.pre_run_hooks, hook])
+        monkeypatch.setattr(kernel, "run", run)
     return keys
 
 
