@@ -66,7 +66,9 @@ class EngineConfig:
         num_pages: pages in the unified pool; None sizes it from ``pool_memory_bytes`` (CPU)
             or ``gpu_memory_utilization`` (CUDA).
         pool_memory_bytes: pool size on CPU when ``num_pages`` is None.
-        gpu_memory_utilization: fraction of free GPU memory the pool may take.
+        gpu_memory_utilization: fraction of the GPU memory free after the weights load that
+            the pool and a step's activations may take (the activations' peak measured by a
+            profiling pass at ``max_num_batched_tokens``).
         max_model_len: context length served (None: the model's).
         kernels: ``auto`` (Triton on CUDA, torch on CPU), ``torch`` or ``triton``.
         max_rank: largest adapter rank served.

@@ -110,7 +110,7 @@ def warm_up(runner: ModelRunner, pager: Pager, max_model_len: int, lora_rank: in
                 if adapter is not None:
                     lora = LoraBatch(config, pools, runner.lora_ops,
                                      [adapter if d else None for d in segments], seg_lens)
-                _run(runner, tables, q_lens, seq_lens, lora, runner.attention)
+                run_dummy_step(runner, tables, q_lens, seq_lens, lora, runner.attention)
             if triton:
                 _split_decode(runner, tables, *decode, max_model_len)
                 if adapter is not None and layout is not None:
@@ -123,8 +123,12 @@ def warm_up(runner: ModelRunner, pager: Pager, max_model_len: int, lora_rank: in
     return True
 
 
-def _run(runner: ModelRunner, tables: list[list[int]], q_lens: list[int], seq_lens: list[int],
-         lora: LoraBatch | None, attention: Callable[..., torch.Tensor]) -> None:
+def run_dummy_step(runner: ModelRunner, tables: list[list[int]], q_lens: list[int],
+                   seq_lens: list[int], lora: LoraBatch | None,
+                   attention: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """One forward pass over dummy tokens: sequence ``s`` computes ``q_lens[s]`` tokens ending
+    at ``seq_lens[s]`` on pages ``tables[s]``. Returns each sequence's last logits
+    ``[S, vocab]``."""
     device = runner.device
     meta = AttentionMetadata.build(tables, q_lens, seq_lens, runner.page_size, device)
     positions = [p for q, n in zip(q_lens, seq_lens) for p in range(n - q, n)]
@@ -134,7 +138,7 @@ def _run(runner: ModelRunner, tables: list[list[int]], q_lens: list[int], seq_le
     ctx = ForwardContext(meta, runner.pools, runner.page_size, runner.write_kv, attention, lora)
     hidden = runner.model.forward(ids, pos, ctx)  # [T, hidden]
     last = [end - 1 for end in itertools.accumulate(q_lens)]  # each sequence's last token
-    runner.model.compute_logits(hidden[torch.tensor(last, device=device)])
+    return runner.model.compute_logits(hidden[torch.tensor(last, device=device)])
 
 
 def _split_decode(runner: ModelRunner, tables: list[list[int]], q_lens: list[int],
@@ -144,7 +148,7 @@ def _split_decode(runner: ModelRunner, tables: list[list[int]], q_lens: list[int
     config = runner.model.config
     for plan in attention_plans(config.head_dim, runner.pools.dtype, max_model_len):
         if plan.num_splits > 1:  # the split count is a runtime argument: any plan compiles
-            _run(runner, tables, q_lens, seq_lens, None,
+            run_dummy_step(runner, tables, q_lens, seq_lens, None,
                  functools.partial(runner.attention, plan=plan))
 
 
