@@ -77,7 +77,11 @@ def _num_warps(path: str, block_r: int, block_d: int) -> int:
 
 
 def _expand_warps(block_m: int, path: str, block_r: int, block_d: int) -> int:
-    return 8 if block_m * block_d >= 8192 else _num_warps(path, block_r, block_d)
+    if block_m * block_d >= 8192:
+        return 8
+    # bgmv's [block_r, block_d] weight tile and its h slice: with 2 warps a 64 x 32 tile
+    # spills on sm_90 (tests/kernels/sm90_compile.py --variants), so a warp per 16 ranks
+    return max(_num_warps(path, block_r, block_d), block_r // 16 if path == "bgmv" else 1)
 
 
 def _shrink_want(path: str, block_r: int, few_programs: bool) -> int:
