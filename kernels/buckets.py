@@ -15,6 +15,26 @@ binaries in the middle of serving, each taking a second or more of a step. So:
 
 ``kernels/variants.py`` enumerates the product for one worker's config, and the engine's
 warm-up compiles every member of it before the worker reports ready.
+
+Every compile-time argument and where its value comes from (B: batch, from a bucket here;
+C: model and config only):
+
+=====================  ==================================================================
+shrink / expand        ``BLOCK_R`` B ``rank_block(max rank of the batch)``;
+(bgmv, sgmv)           ``BLOCK_M`` and the path B ``tile_shape(T, S)``;
+                       ``BLOCK_K`` / ``BLOCK_N`` B ``column_block`` of a fixed ladder of
+                       wants (``sgmv_plan``); ``SPLIT`` B ``split_k > 1`` (the count runs);
+                       ``num_warps`` B, a function of the three tiles; ``BLOCK_S`` fixed
+                       ``SEGMENT_BLOCK``; ``ROW_ALIGN`` C (``d``, page size, pool start);
+                       ``DOT_PRECISION`` C (dtype)
+decode attention       ``SPLIT`` B ``num_splits > 1`` (the count runs); ``GROUP``,
+                       ``HEAD_DIM``, ``NUM_KV_HEADS``, ``PAGE_SIZE``, ``BLOCK_G``,
+                       ``BLOCK_D``, ``BLOCK_N``, ``DOT_PRECISION``, ``num_warps`` C
+merge of splits        ``HEAD_DIM``, ``BLOCK_D`` C; ``BLOCK_SPLITS`` fixed (the split cap)
+prefill attention      ``BLOCK_M`` and the decode kernel's C arguments, all C
+write_kv               ``HEAD_DIM``, ``NUM_KV_HEADS``, ``PAGE_SIZE``, ``BLOCK_H``,
+                       ``BLOCK_D``, ``num_warps`` C
+=====================  ==================================================================
 """
 
 from __future__ import annotations
