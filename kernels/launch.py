@@ -13,6 +13,8 @@ from typing import Any, NamedTuple
 import torch
 import triton
 
+from loraplex.kernels.buckets import floor_pow2
+
 __all__ = ["Launch", "check_dtype", "check_kernel_device", "check_same_device", "dot_precision",
            "floor_pow2", "num_sms"]
 
@@ -57,7 +59,3 @@ def _sms(device: torch.device) -> int:
 def num_sms(device: torch.device) -> int:
     """Multiprocessors of ``device``; 4 off CUDA (the interpreter: keep grids small)."""
     return _sms(device) if device.type == "cuda" else 4
-
-
-def floor_pow2(n: int) -> int:
-    return 1 << (max(n, 1).bit_length() - 1)

@@ -20,19 +20,21 @@ sizes (``meta.q_lens``, ``meta.max_seq_len``) choose the grids, so nothing syncs
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels.attention_plan import (
+    AttentionPlan,
+    attention_constexprs,
+    plan_attention,
+    write_kv_constexprs,
+)
 from loraplex.kernels.launch import (
     Launch,
     check_dtype,
     check_kernel_device,
     check_same_device,
-    dot_precision,
     num_sms,
 )
 from loraplex.kernels.metadata import AttentionMetadata
@@ -51,14 +53,16 @@ def _kv_offsets(table_row, j, j_mask, kv_head, stride_page,
     return page.to(tl.int64) * stride_page + (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM
 
 
-@triton.jit
+# Arguments that follow the batch are not specialised (on == 1 or % 16), so that their values
+# never pick a compiled variant (buckets.py); the others follow the model and the config.
+@triton.jit(do_not_specialize=("keys_per_split", "num_splits", "stride_table"))
 def _decode_kernel(
     q_ptr, pool_ptr, table_ptr, query_start_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    scale_log2, keys_per_split, num_heads,
+    scale_log2, keys_per_split, num_splits, num_heads,
     stride_qt, stride_qh, stride_page, stride_table, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     s = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -97,32 +101,31 @@ def _decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         o_ptrs = out_ptr + q_row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
         tl.store(o_ptrs + d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=g_mask[:, None] & d_mask[None, :])
     else:
-        # partials: [S, num_heads, NUM_SPLITS, HEAD_DIM] and [S, num_heads, NUM_SPLITS]
-        row = (s.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
+        # partials: [S, num_heads, num_splits, HEAD_DIM] and [S, num_heads, num_splits]
+        row = (s.to(tl.int64) * num_heads + heads) * num_splits + split
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], out,
                  mask=g_mask[:, None] & d_mask[None, :])
         lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=g_mask)  # -inf marks an empty split
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_splits",))
 def _merge_splits_kernel(
-    part_out_ptr, part_lse_ptr, query_start_ptr, out_ptr, num_heads, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    part_out_ptr, part_lse_ptr, query_start_ptr, out_ptr, num_splits, num_heads, stride_ot,
+    stride_oh, HEAD_DIM: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     s = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(query_start_ptr + s)
     is_decode = tl.load(query_start_ptr + s + 1) - q_row == 1
     sp = tl.arange(0, BLOCK_SPLITS)
-    sp_mask = sp < tl.where(is_decode, NUM_SPLITS, 0)
-    row = (s.to(tl.int64) * num_heads + head) * NUM_SPLITS + sp
+    sp_mask = sp < tl.where(is_decode, num_splits, 0)
+    row = (s.to(tl.int64) * num_heads + head) * num_splits + sp
     lse = tl.load(part_lse_ptr + row, mask=sp_mask, other=float("-inf"))
     top = tl.max(lse, axis=0)
     w = tl.where(sp_mask & (lse > float("-inf")), tl.exp2(lse - top), 0.0)
@@ -136,7 +139,7 @@ def _merge_splits_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d < tl.where(is_decode, HEAD_DIM, 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("stride_table",))
 def _prefill_kernel(
     q_ptr, pool_ptr, table_ptr, query_start_ptr, seq_lens_ptr, out_ptr, scale_log2,
     stride_qt, stride_qh, stride_page, stride_table, stride_ot, stride_oh,
@@ -209,46 +212,7 @@ def _write_kv_kernel(
              mask=mask)
 
 
-@dataclass(frozen=True)
-class AttentionPlan:
-    """Block sizes of one ``paged_attention`` call, chosen on the host from sizes.
-
-    Attributes:
-        block_n: keys per step (both kernels), a power of two >= 16.
-        block_m: queries per prefill tile, a power of two >= 16.
-        num_splits: decode key splits (1: no merge kernel).
-        num_warps: warps per program.
-    """
-
-    block_n: int = 64
-    block_m: int = 64
-    num_splits: int = 1
-    num_warps: int = 4
-
-    def __post_init__(self) -> None:
-        for name in ("block_n", "block_m"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name}: must be a power of two >= 16, got {value}")
-        if self.num_splits < 1 or self.num_warps < 1:
-            raise ValueError("num_splits and num_warps must be >= 1")
-
-
-def plan_attention(num_seqs: int, num_kv_heads: int, head_dim: int, max_seq_len: int,
-                   dtype: torch.dtype, sms: int) -> AttentionPlan:
-    """Tiles for these sizes on a device with ``sms`` multiprocessors.
-
-    16-bit K/V with ``head_dim <= 128`` take 64 x 64 tiles; float32 or larger heads take
-    32 x 32 (float32 with 8 warps), which sm_90 holds in registers without spilling
-    (tests/kernels/sm90_compile.py checks it by compiling for sm_90).
-    """
-    block = 64 if dtype != torch.float32 and head_dim <= 128 else 32
-    num_warps = 8 if dtype == torch.float32 else 4
-    programs = num_seqs * num_kv_heads
-    splits = 1
-    if programs < 2 * sms:  # too few programs to fill the device: split the keys too
-        splits = max(1, min(triton.cdiv(2 * sms, programs), max_seq_len // 256, 32))
-    return AttentionPlan(block_n=block, block_m=block, num_splits=splits, num_warps=num_warps)
+_KERNELS = {k.__name__: k for k in (_decode_kernel, _merge_splits_kernel, _prefill_kernel)}
 
 
 def attention_launches(plan: AttentionPlan, q_lens: tuple[int, ...], num_heads: int,
@@ -256,30 +220,17 @@ def attention_launches(plan: AttentionPlan, q_lens: tuple[int, ...], num_heads: 
                        ) -> dict[str, Launch]:
     """The launches ``paged_attention`` makes for a step: some of ``decode``, ``merge`` (key
     splits) and ``prefill``."""
-    group = num_heads // num_kv_heads
     num_seqs = len(q_lens)
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    common: dict[str, Any] = dict(
-        GROUP=group, HEAD_DIM=head_dim, NUM_KV_HEADS=num_kv_heads, PAGE_SIZE=page_size,
-        BLOCK_D=block_d, BLOCK_N=plan.block_n, DOT_PRECISION=dot_precision(dtype),
-        num_warps=plan.num_warps)
-    launches: dict[str, Launch] = {}
+    variants = attention_constexprs(plan, num_heads, num_kv_heads, head_dim, page_size, dtype)
+    grids = {"decode": (num_seqs, num_kv_heads, plan.num_splits), "merge": (num_seqs, num_heads),
+             "prefill": (num_seqs, triton.cdiv(max(q_lens), plan.block_m), num_heads)}
+    kinds = []
     if any(n == 1 for n in q_lens):
-        launches["decode"] = Launch(
-            _decode_kernel, (num_seqs, num_kv_heads, plan.num_splits),
-            dict(common, BLOCK_G=max(16, triton.next_power_of_2(group)),
-                 NUM_SPLITS=plan.num_splits))
-        if plan.num_splits > 1:
-            launches["merge"] = Launch(
-                _merge_splits_kernel, (num_seqs, num_heads),
-                dict(HEAD_DIM=head_dim, NUM_SPLITS=plan.num_splits,
-                     BLOCK_SPLITS=max(16, triton.next_power_of_2(plan.num_splits)),
-                     BLOCK_D=block_d))
+        kinds += ["decode", "merge"] if plan.num_splits > 1 else ["decode"]
     if max(q_lens) > 1:
-        launches["prefill"] = Launch(
-            _prefill_kernel, (num_seqs, triton.cdiv(max(q_lens), plan.block_m), num_heads),
-            dict(common, BLOCK_M=plan.block_m))
-    return launches
+        kinds.append("prefill")
+    return {kind: Launch(_KERNELS[variants[kind][0]], grids[kind], variants[kind][1])
+            for kind in kinds}
 
 
 def _check_pool(kv_pool: torch.Tensor, page_size: int, num_kv_heads: int, head_dim: int) -> None:
@@ -324,11 +275,9 @@ def write_kv(kv_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     check_kernel_device(kv_pool)
     if num_tokens == 0:
         return
-    block_h, block_d = triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_dim)
     _write_kv_kernel[(num_tokens,)](
         k, v, slot_mapping, kv_pool, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        kv_pool.stride(0), HEAD_DIM=head_dim, NUM_KV_HEADS=num_kv_heads, PAGE_SIZE=page_size,
-        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=max(1, min(4, block_h * block_d // 256)))
+        kv_pool.stride(0), **write_kv_constexprs(num_kv_heads, head_dim, page_size))
 
 
 def _check_meta(meta: AttentionMetadata, num_tokens: int) -> None:
@@ -407,11 +356,13 @@ def paged_attention(q: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetad
         decode = launches["decode"]
         decode.kernel[decode.grid](
             q, kv_pool, meta.page_table, meta.query_start, meta.seq_lens, out, part_out,
-            part_lse, scale_log2, keys_per_split, num_heads, *strides, **decode.constexprs)
+            part_lse, scale_log2, keys_per_split, splits, num_heads, *strides,
+            **decode.constexprs)
         if "merge" in launches:
             merge = launches["merge"]
-            merge.kernel[merge.grid](part_out, part_lse, meta.query_start, out, num_heads,
-                                     out.stride(0), out.stride(1), **merge.constexprs)
+            merge.kernel[merge.grid](part_out, part_lse, meta.query_start, out, splits,
+                                     num_heads, out.stride(0), out.stride(1),
+                                     **merge.constexprs)
     if "prefill" in launches:
         prefill = launches["prefill"]
         prefill.kernel[prefill.grid](

@@ -30,9 +30,6 @@ does, and accumulates in float32.
 
 from __future__ import annotations
 
-import math
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
@@ -46,13 +43,15 @@ from loraplex.kernels.launch import (
     floor_pow2,
     num_sms,
 )
-from loraplex.kernels.layout import ALIGN
 from loraplex.kernels.sgmv_plan import (
     SgmvPlan,
     check_plan,
+    expand_constexprs,
     num_tiles,
     plan_expand,
     plan_shrink,
+    row_align,
+    shrink_constexprs,
 )
 
 # Names that moved to launch.py and sgmv_plan.py stay importable from here.
@@ -135,15 +134,19 @@ def _weight_ptrs(pool_ptr, stride_page, table_row, num_table_cols, page_elems,
 
 
 # --------------------------------------------------------------------------- shrink kernels
+# Arguments that follow the batch: not specialised (on == 1 or % 16), so that their values never
+# pick a compiled variant (buckets.py). The strides of x, y and the pool follow the model.
+_BATCH_ARGS = ("num_segments", "max_rank", "num_table_cols", "stride_table", "stride_h")
 
 
-@triton.jit
+
+@triton.jit(do_not_specialize=_BATCH_ARGS + ("split_k",))
 def _shrink_bgmv_kernel(
     x_ptr, pool_ptr, table_ptr, indptr_ptr, ranks_ptr, offsets_ptr, h_ptr,
-    num_segments, d_in, max_rank, page_elems, num_table_cols,
+    num_segments, d_in, max_rank, page_elems, num_table_cols, split_k,
     stride_x, stride_page, stride_table, stride_h,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
-    SPLIT_K: tl.constexpr, ROW_ALIGN: tl.constexpr,
+    SPLIT: tl.constexpr, ROW_ALIGN: tl.constexpr,
 ):
     t = tl.program_id(0)
     pid_r = tl.program_id(1)
@@ -156,7 +159,7 @@ def _shrink_bgmv_kernel(
     x_row = x_ptr + t.to(tl.int64) * stride_x
     acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
     k_end = tl.where(pid_r * BLOCK_R < rank, d_in, 0)  # rank tiles past the rank load nothing
-    for k0 in range(pid_k * BLOCK_K, k_end, SPLIT_K * BLOCK_K):
+    for k0 in range(pid_k * BLOCK_K, k_end, split_k * BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < d_in
         xv = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
@@ -166,19 +169,19 @@ def _shrink_bgmv_kernel(
         acc += a.to(tl.float32) * xv[None, :]
     h = tl.sum(acc, axis=1)
     out = h_ptr + t.to(tl.int64) * stride_h + r
-    if SPLIT_K == 1:
+    if not SPLIT:
         tl.store(out, h, mask=r < max_rank)
     else:
         tl.atomic_add(out, h, mask=r_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_BATCH_ARGS + ("split_k",))
 def _shrink_sgmv_kernel(
     x_ptr, pool_ptr, table_ptr, indptr_ptr, ranks_ptr, offsets_ptr, h_ptr,
-    num_segments, d_in, max_rank, page_elems, num_table_cols,
+    num_segments, d_in, max_rank, page_elems, num_table_cols, split_k,
     stride_x, stride_page, stride_table, stride_h,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_S: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_S: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ROW_ALIGN: tl.constexpr,
 ):
     pid_r = tl.program_id(1)
@@ -192,7 +195,7 @@ def _shrink_sgmv_kernel(
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     k_end = tl.where(pid_r * BLOCK_R < rank, d_in, 0)
-    for k0 in range(pid_k * BLOCK_K, k_end, SPLIT_K * BLOCK_K):
+    for k0 in range(pid_k * BLOCK_K, k_end, split_k * BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < d_in
         xt = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -201,7 +204,7 @@ def _shrink_sgmv_kernel(
         at = tl.load(ptrs, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(xt, tl.trans(at), acc, input_precision=DOT_PRECISION)
     out = h_ptr + rows.to(tl.int64)[:, None] * stride_h + r[None, :]
-    if SPLIT_K == 1:
+    if not SPLIT:
         tl.store(out, acc, mask=m_mask[:, None] & (r < max_rank)[None, :])
     else:
         tl.atomic_add(out, acc, mask=m_mask[:, None] & r_mask[None, :])
@@ -210,7 +213,7 @@ def _shrink_sgmv_kernel(
 # --------------------------------------------------------------------------- expand kernels
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_BATCH_ARGS)
 def _expand_bgmv_kernel(
     h_ptr, pool_ptr, table_ptr, indptr_ptr, ranks_ptr, offsets_ptr, scales_ptr, y_ptr,
     num_segments, d_out, max_rank, page_elems, num_table_cols,
@@ -244,7 +247,7 @@ def _expand_bgmv_kernel(
     tl.store(y_row, y.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_BATCH_ARGS)
 def _expand_sgmv_kernel(
     h_ptr, pool_ptr, table_ptr, indptr_ptr, ranks_ptr, offsets_ptr, scales_ptr, y_ptr,
     num_segments, d_out, max_rank, page_elems, num_table_cols,
@@ -281,11 +284,8 @@ def _expand_sgmv_kernel(
 # (a plan from sgmv_plan.py, made into the launch that runs it)
 
 
-_MAX_BLOCK_S = 1024  # segments a program scans per step when it looks up its segment
-
-
-def _block_s(num_segments: int) -> int:
-    return min(triton.next_power_of_2(num_segments), _MAX_BLOCK_S)
+_KERNELS = {k.__name__: k for k in (_shrink_bgmv_kernel, _shrink_sgmv_kernel,
+                                     _expand_bgmv_kernel, _expand_sgmv_kernel)}
 
 
 def shrink_launch(plan: SgmvPlan, num_tokens: int, num_segments: int, max_rank: int,
@@ -293,13 +293,8 @@ def shrink_launch(plan: SgmvPlan, num_tokens: int, num_segments: int, max_rank: 
     """The shrink launch for ``plan`` (``row_align``: see ``_weight_ptrs``)."""
     grid = (num_tiles(plan.path, plan.block_m, num_tokens, num_segments),
             triton.cdiv(max_rank, plan.block_r), plan.split_k)
-    meta: dict[str, Any] = dict(BLOCK_R=plan.block_r, BLOCK_K=plan.block_d,
-                                BLOCK_S=_block_s(num_segments), SPLIT_K=plan.split_k,
-                                ROW_ALIGN=row_align, num_warps=plan.num_warps)
-    if plan.path == "bgmv":
-        return Launch(_shrink_bgmv_kernel, grid, meta)
-    meta.update(BLOCK_M=plan.block_m, DOT_PRECISION=dot_precision(dtype))
-    return Launch(_shrink_sgmv_kernel, grid, meta)
+    name, meta = shrink_constexprs(plan, dtype, row_align)
+    return Launch(_KERNELS[name], grid, meta)
 
 
 def expand_launch(plan: SgmvPlan, num_tokens: int, num_segments: int, d_out: int,
@@ -307,13 +302,8 @@ def expand_launch(plan: SgmvPlan, num_tokens: int, num_segments: int, d_out: int
     """The expand launch for ``plan``."""
     grid = (num_tiles(plan.path, plan.block_m, num_tokens, num_segments),
             triton.cdiv(d_out, plan.block_d))
-    meta: dict[str, Any] = dict(BLOCK_R=plan.block_r, BLOCK_N=plan.block_d,
-                                BLOCK_S=_block_s(num_segments), ROW_ALIGN=row_align,
-                                num_warps=plan.num_warps)
-    if plan.path == "bgmv":
-        return Launch(_expand_bgmv_kernel, grid, meta)
-    meta.update(BLOCK_M=plan.block_m, DOT_PRECISION=dot_precision(dtype))
-    return Launch(_expand_sgmv_kernel, grid, meta)
+    name, meta = expand_constexprs(plan, dtype, row_align)
+    return Launch(_KERNELS[name], grid, meta)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -354,10 +344,7 @@ def _check_rows(name: str, t: torch.Tensor, num_tokens: int | None) -> None:
 
 
 def _row_align(pool: torch.Tensor, d: int) -> int:
-    # Weight rows start at offset + r * d with offsets multiples of layout.ALIGN; the hint must
-    # also divide the page size, the page stride and the pool's start, in elements.
-    start = pool.data_ptr() // pool.element_size()
-    return math.gcd(ALIGN, d, pool.shape[1], pool.stride(0), start)
+    return row_align(d, pool.shape[1], pool.stride(0), pool.data_ptr() // pool.element_size())
 
 
 def sgmv_shrink(x: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor,
@@ -407,7 +394,7 @@ def sgmv_shrink(x: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor,
                            _row_align(pool, d_in))
     launch.kernel[launch.grid](
         x, pool, page_table, seg_indptr, ranks, a_offsets, h,
-        num_segments, d_in, max_rank, page_elems, page_table.shape[1],
+        num_segments, d_in, max_rank, page_elems, page_table.shape[1], plan.split_k,
         x.stride(0), pool.stride(0), page_table.stride(0), h.stride(0), **launch.constexprs)
     return h
 

@@ -4,11 +4,13 @@
 #
 #   1. the environment: GPU, driver, Python, torch, triton, commit          -> $OUT/env.txt
 #   2. the kernel tests natively on the GPU (every test of tests/kernels, the engine with
-#      --kernels triton against peft, the CUDA warm-up test; bf16 and larger shapes)
-#                                                                            -> $OUT/tests.log
+#      --kernels triton against peft, the CUDA warm-up tests: every variant compiled at start
+#      and no new binary while serving; the pool sized after a profiling pass; bf16 and
+#      larger shapes)                                                        -> $OUT/tests.log
 #   3. kernels/bench.py: SGMV, paged attention, the engine (under 5 minutes) -> $OUT/bench/
 #
-# Usage: OUT=DIR scripts/gpu_check.sh   (about 9 minutes; each step has its own time limit).
+# Usage: OUT=DIR scripts/gpu_check.sh   (under 10 minutes; each step has its own time limit,
+# TESTS_TIMEOUT and BENCH_TIMEOUT seconds, 280 and 310 unless set).
 # The package is installed (editable) without its dependencies; a missing one shows up as an
 # import error in tests.log.
 set -uo pipefail
@@ -33,11 +35,13 @@ print("torch", torch.__version__, "cuda", torch.version.cuda); print("triton", t
 cat "$OUT/env.txt"
 
 # 16 cores there: torch's CPU threads for the peft oracles
-OMP_NUM_THREADS=8 timeout 240 "$PY" -m pytest -q -ra -p no:cacheprovider \
+# (warm-up compiles each kernel variant once per process: about 65 at max_rank 64)
+OMP_NUM_THREADS=8 timeout "${TESTS_TIMEOUT:-280}" "$PY" -m pytest -q -ra -p no:cacheprovider \
     tests/kernels tests/engine/test_triton_engine.py tests/engine/test_warmup.py \
+    tests/engine/test_profile.py \
     2>&1 | tee "$OUT/tests.log" | tail -25
 echo "tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/tests.log"
 
-timeout 330 "$PY" -m loraplex.kernels.bench --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" \
+timeout "${BENCH_TIMEOUT:-310}" "$PY" -m loraplex.kernels.bench --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" \
     | tail -60
 echo "bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/bench.log"

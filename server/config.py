@@ -106,7 +106,9 @@ class EngineConfig:
     pool_memory_bytes: int = setting(1 << 30, "pool size on CPU when num_pages is unset",
                                      unit="bytes")
     gpu_memory_utilization: float = setting(
-        0.85, "fraction of free GPU memory the pool may take, in (0, 1]")
+        0.85, "fraction of the GPU memory free after the weights load that the pool and a "
+        "step's activations may take, in (0, 1] (the activations' peak is measured by a "
+        "profiling pass at max_num_batched_tokens)")
     max_model_len: int | None = setting(None, "context length served", unit="tokens",
                                         default_text="the model's")
     kernels: str = setting("auto", "auto (Triton on CUDA, torch on CPU), torch or triton",

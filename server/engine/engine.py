@@ -21,9 +21,11 @@ from loraplex.server.engine.adapter_cache import AdapterManager, AdapterSource
 from loraplex.server.engine.model_runner import ModelRunner
 from loraplex.server.engine.models.config import ModelConfig, parse_dtype
 from loraplex.server.engine.models.demo import demo_model_path
+from loraplex.server.engine.models.llama import LlamaModel
 from loraplex.server.engine.models.loader import load_weights, model_revision
 from loraplex.server.engine.pager import Pager, PagerStats
 from loraplex.server.engine.prefix_cache import PrefixCache
+from loraplex.server.engine.profile import ProfileResult, pool_pages, profile_batch, profile_run
 from loraplex.server.engine.request import (
     Request,
     RequestOutput,
@@ -91,13 +93,14 @@ class Engine:
         model = load_weights(self.model_path, self.model_config, self.dtype, self.device)
         self.page_elems = kv_page_elems(config.page_size, self.model_config.num_kv_heads,
                                         self.model_config.head_dim)
-        num_pages = self._num_pages()
-        pools = torch.zeros(self.model_config.num_layers, num_pages, self.page_elems,
-                            dtype=self.dtype, device=self.device)
         kernels = config.kernels
         if kernels == "auto":
             kernels = "triton" if self.device.type == "cuda" else "torch"
         self.kernels = kernels
+        self.profile: ProfileResult | None = None  # the profiling pass, where one sized the pool
+        num_pages = self._num_pages(model, adapter_source is not None)
+        pools = torch.zeros(self.model_config.num_layers, num_pages, self.page_elems,
+                            dtype=self.dtype, device=self.device)
         self.runner = ModelRunner(model, pools, config.page_size, kernels)
         self.pager = Pager(num_pages)
         self.adapters: AdapterManager | None = None
@@ -130,11 +133,12 @@ class Engine:
 
     # -- set-up ------------------------------------------------------------------------------
     def warmup(self) -> None:
-        """Compile the kernels before serving: run the model on two dummy steps (a mixed one
-        and a decode-only one, with and without a LoRA segment) on borrowed free pages, which
-        all return to the pager. Called by ``__init__`` with Triton kernels on CUDA."""
+        """Compile every kernel variant before serving (``warmup.py``: dummy model steps with
+        and without a LoRA segment, a split-keys decode, each LoRA variant up to ``max_rank``)
+        on borrowed free pages, which all return to the pager. Called by ``__init__`` with
+        Triton kernels on CUDA."""
         rank = min(16, self.config.max_rank) if self.adapters is not None else None
-        warm_up(self.runner, self.pager, self.max_model_len, rank)
+        warm_up(self.runner, self.pager, self.max_model_len, rank, self.config.max_rank)
 
     def _max_model_len(self) -> int:
         length = self.model_config.max_position_embeddings
@@ -148,20 +152,33 @@ class Engine:
             length = self.config.max_model_len
         return length
 
-    def _num_pages(self) -> int:
+    def _num_pages(self, model: LlamaModel, lora: bool) -> int:
+        """``num_pages``, else on CUDA what the free memory holds after a profiling forward
+        pass at ``max_num_batched_tokens`` (with a ``max_rank`` adapter when adapters are
+        served) has measured the activations' peak (``profile.py``); on CPU
+        ``pool_memory_bytes``."""
         if self.config.num_pages is not None:
             return self.config.num_pages
         bytes_per_page = (self.page_elems * self.model_config.num_layers
                           * torch.empty(0, dtype=self.dtype).element_size())
         if self.device.type == "cuda":
+            sched = self.config.scheduler
+            q_lens = profile_batch(sched.max_num_batched_tokens, sched.max_num_seqs,
+                                   self.max_model_len)
+            self.profile = profile_run(model, self.config.page_size, self.kernels, q_lens,
+                                       self.config.max_rank if lora else None)
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * self.config.gpu_memory_utilization)
-        else:
-            budget = self.config.pool_memory_bytes
-        num_pages = budget // bytes_per_page
+            num_pages = pool_pages(free, self.profile.peak_activation_bytes or 0,
+                                   self.config.gpu_memory_utilization, bytes_per_page)
+            logger.info("pool: %d pages after a profiling pass of %d tokens in %d sequences "
+                        "(activation peak %d bytes, %d bytes free)", num_pages,
+                        self.profile.num_tokens, self.profile.num_seqs,
+                        self.profile.peak_activation_bytes, free)
+            return num_pages
+        num_pages = self.config.pool_memory_bytes // bytes_per_page
         if num_pages < 2:
-            raise ValueError(f"pool: {budget} bytes hold fewer than 2 pages of "
-                             f"{bytes_per_page} bytes")
+            raise ValueError(f"pool_memory_bytes: {self.config.pool_memory_bytes} bytes hold "
+                             f"fewer than 2 pages of {bytes_per_page} bytes")
         return int(num_pages)
 
     # -- requests ------------------------------------------------------------------------------

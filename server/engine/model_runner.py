@@ -42,6 +42,7 @@ class ModelRunner:
         self.pools = pools
         self.page_size = page_size
         self.device = model.device
+        self.kernels = kernels
         self.write_kv, self.attention = attention_kernels(kernels)
         self.lora_ops = lora_ops(kernels)
 

@@ -57,6 +57,36 @@ def test_warmup_launches_every_kernel_and_returns_its_pages(setup_small, monkeyp
     assert got == expected
 
 
+@pytest.mark.timeout(900)
+def test_warmup_compiles_every_variant_serving_launches(setup_small, monkeypatch):
+    # Warm-up launches exactly the enumerated variant set, and a served mixed batch afterwards
+    # (adapters of ranks 1, 4 and 16 and the base model, prefill chunks and decodes) launches
+    # no compile key that warm-up did not: nothing would compile mid-serve.
+    from loraplex.kernels.variants import serving_variants
+    from loraplex.server.engine.warmup import module_geometry
+    from tests.kernels.compile_keys import constexpr_part, record_compile_keys
+
+    model, adapters, names, prompts, max_tokens, expected = setup_small
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = Engine(EngineConfig(model=str(model), device=device, num_pages=400,
+                                 kernels="triton", max_rank=32,
+                                 scheduler=SchedulerConfig(page_size=4,
+                                                           max_num_batched_tokens=16)),
+                    adapter_source=LoadedSource(adapters.values()))
+    keys = record_compile_keys(monkeypatch)
+    engine.warmup()
+    warmed = set(keys)
+    cfg, pool = engine.model_config, engine.runner.pools[0]
+    enumerated = serving_variants(module_geometry(cfg), cfg.num_heads, cfg.num_kv_heads,
+                                  cfg.head_dim, 4, pool.dtype, engine.max_model_len, 32,
+                                  pool.data_ptr() // pool.element_size())
+    assert constexpr_part(list(warmed)) == constexpr_part(enumerated)
+    keys.clear()
+    got = run(engine, prompts, digests_for(adapters, names), max_tokens, [0, 0, 1, 2])
+    assert got == expected
+    assert keys and set(keys) <= warmed, sorted(set(keys) - warmed)
+
+
 def test_warmup_skips_when_pages_are_short(setup_small):
     model, *_ = setup_small
     engine = Engine(EngineConfig(model=str(model), num_pages=8, kernels="torch",
@@ -93,3 +123,26 @@ def test_cuda_engine_warms_up_serves_and_samples(setup_small):
                 tokens.extend(out.new_token_ids)
         drawn.append(tokens)
     assert drawn[0] == drawn[1] and len(drawn[0]) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_cuda_serving_after_warmup_compiles_nothing(setup_small):
+    # Natively: Triton's in-memory binary caches of every kernel hold the same entries before
+    # and after a served mixed batch (warm-up in __init__ compiled all of them).
+    from tests.kernels.compile_keys import all_kernels
+
+    def num_binaries() -> int:
+        return sum(len(cache[0]) for k in all_kernels() for cache in k.device_caches.values())
+
+    model, adapters, names, prompts, max_tokens, expected = setup_small
+    engine = Engine(EngineConfig(model=str(model), device="cuda", num_pages=400,
+                                 kernels="triton",
+                                 scheduler=SchedulerConfig(page_size=4,
+                                                           max_num_batched_tokens=16)),
+                    adapter_source=LoadedSource(adapters.values()))
+    before = num_binaries()
+    assert before > 0
+    got = run(engine, prompts, digests_for(adapters, names), max_tokens, [0, 0, 1, 2])
+    assert got == expected
+    assert num_binaries() == before

@@ -6,6 +6,7 @@ The interpreter accepts kernels that the GPU compiler rejects (``tl.dot`` tiles 
 one), so this is what tells on CPU that the kernels build for the GPU. Run as a module in a
 process of its own (``python -m tests.kernels.sm90_compile``): kernels must be decorated
 without ``TRITON_INTERPRET``. The launchers run for real up to the launch, which is captured.
+With ``--variants``: every kernel variant a 7B Llama worker's warm-up compiles, instead.
 """
 
 from __future__ import annotations
@@ -68,11 +69,12 @@ def compile_launch(kernel: Any, args: tuple, constexprs: dict) -> dict[str, Any]
     signature: dict[str, str] = {}
     consts: dict[str, Any] = {}
     attrs: dict[tuple[int, ...], Any] = {}
+    skip = {kernel.arg_names[n] if isinstance(n, int) else n for n in kernel.do_not_specialize}
     for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
             signature[name], consts[name] = "constexpr", constexprs[name]
             continue
-        ty, key = native_specialize_impl(CUDABackend, args[i], False, True, True)
+        ty, key = native_specialize_impl(CUDABackend, args[i], False, name not in skip, True)
         if ty == "constexpr":  # ints equal to 1 become constants, as at a real launch
             signature[name], consts[name] = "constexpr", key
         else:
@@ -162,9 +164,63 @@ def h200_launches() -> list[tuple[str, tuple[Any, tuple, dict]]]:
     return [(case, launch) for case, launches in cases.items() for launch in launches]
 
 
+def variant_launches(dtype: torch.dtype = torch.bfloat16, max_rank: int = 64
+                     ) -> list[tuple[str, tuple[Any, tuple, dict]]]:
+    """(case, launch) for every kernel variant a 7B Llama worker warms up
+    (``kernels/variants.py``), laid out as warm-up launches them."""
+    from loraplex.kernels.variants import attention_variants, lora_variants
+    from loraplex.server.engine.models.config import ModelConfig
+    from loraplex.server.engine.warmup import module_geometry
+
+    config = ModelConfig.from_hf_dict(dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=32000,
+        hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=4096))
+    page_size, head_dim = 16, config.head_dim
+    page_elems = 2 * page_size * config.num_kv_heads * head_dim
+    pool = torch.empty(8, page_elems, dtype=dtype)
+    table, indptr = torch.zeros(1, 8, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    ranks, offsets = torch.tensor([16], dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
+    out: list[tuple[str, tuple[Any, tuple, dict]]] = []
+    geometry = module_geometry(config)
+    for v in lora_variants(geometry, page_elems, max_rank, dtype):
+        geo = geometry[v.module]
+        if v.op == "shrink":
+            x = torch.empty(1, geo.d_in, dtype=dtype)
+            launches = _capture(sgmv.sgmv_shrink, x, pool, table, indptr, ranks, offsets, 16,
+                                plan=v.plan)
+        else:
+            h = torch.empty(1, 16, dtype=torch.float32)
+            y = torch.empty(1, geo.y_stride, dtype=dtype)[:, geo.y_start:geo.y_start + geo.d_out]
+            launches = _capture(sgmv.sgmv_expand, h, pool, table, indptr, ranks, offsets,
+                                torch.ones(1), y, plan=v.plan)
+        out += [(f"{v.op} {v.module} {v.plan}", launch) for launch in launches]
+    for a in attention_variants(config.num_heads, config.num_kv_heads, head_dim, page_size,
+                                dtype, 4096):
+        for q_lens in ([1, 1], [1, 64]):
+            out += [(f"attention {a.kind} {a.plan}", launch) for launch in _capture(
+                pa.paged_attention, torch.empty(sum(q_lens), config.num_heads, head_dim,
+                                                dtype=dtype),
+                torch.empty(4, page_elems, dtype=dtype), _meta(q_lens, [100, 100]), page_size,
+                config.num_kv_heads, head_dim ** -0.5, plan=a.plan)]
+    return out
+
+
+def _meta(q_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
+    num_seqs = len(q_lens)
+    return AttentionMetadata(
+        page_table=torch.zeros(num_seqs, 8, dtype=torch.int32),
+        query_start=torch.zeros(num_seqs + 1, dtype=torch.int32),
+        seq_lens=torch.zeros(num_seqs, dtype=torch.int32),
+        slot_mapping=torch.zeros(sum(q_lens), dtype=torch.int64),
+        q_lens=tuple(q_lens), seq_lens_host=tuple(seq_lens),
+        max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+
+
 def main() -> None:
     seen: set[str] = set()
-    for case, (kernel, args, constexprs) in h200_launches():
+    launches = variant_launches() if "--variants" in sys.argv else h200_launches()
+    for case, (kernel, args, constexprs) in launches:
         data = next(n for n in ("pool_ptr", "out_ptr") if n in kernel.arg_names)
         dtype = str(args[kernel.arg_names.index(data)].dtype)
         key = f"{kernel.__name__}{sorted(constexprs.items())}{dtype}"

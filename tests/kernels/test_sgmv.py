@@ -10,7 +10,7 @@ import pytest
 import torch
 import triton
 
-from loraplex.kernels import reference, sgmv
+from loraplex.kernels import reference, sgmv, sgmv_plan
 from loraplex.kernels.sgmv import SgmvPlan, plan_expand, plan_shrink
 from tests.kernels.lora_batches import DEVICE, PATTERNS, LoraBatch, make_batch
 
@@ -117,8 +117,8 @@ def test_large_pages_and_empty_segments() -> None:
 
 @pytest.mark.parametrize("path", ["bgmv", "sgmv"])
 def test_segment_lookup_over_several_chunks(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # programs scan segment boundaries _MAX_BLOCK_S at a time; 40 segments take 3 steps of 16
-    monkeypatch.setattr(sgmv, "_MAX_BLOCK_S", 16)
+    # programs scan segment boundaries SEGMENT_BLOCK at a time; 40 segments take 3 steps of 16
+    monkeypatch.setattr(sgmv_plan, "SEGMENT_BLOCK", 16)
     tokens = [1, 2, 1, 5, 1, 1, 3] * 6
     batch = make_batch("distinct", tokens, 40, 24, 64, merge=False, seed=4)
     assert batch.num_segments > 32
