@@ -8,6 +8,7 @@ few tokens per prompt); without the package it is skipped with the pip command t
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 
@@ -102,3 +103,27 @@ def _engine_greedy(path, prompts, max_tokens, adapter=None, digests=None):
     outs = LLM(engine=engine).generate(prompts, params, adapters=digests)
     assert [o.error for o in outs] == [None] * len(outs)
     return [o.token_ids for o in outs]
+
+
+def test_demo_adapter_trains_a_pirate_style_the_engine_serves(smollm2, chat_ids, tmp_path,
+                                                              monkeypatch):
+    """``loraplex demo-adapter --model smollm2`` (a short run: 30 steps, about 30 s) writes a
+    PEFT directory the store's validator accepts; through the engine, in one batch with the
+    base model, its answer to a question it was not trained on is in the pirate style."""
+    from loraplex.server.cli import main as cli_main
+
+    monkeypatch.setenv("LORAPLEX_CACHE_DIR", str(smollm2[0]))
+    out = tmp_path / "pirate"
+    assert cli_main(["demo-adapter", "--model", "smollm2", "--steps", "30", str(out)]) == 0
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in
+                                                                    out.iterdir()}
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (config["r"], config["base_model_name_or_path"]) == (8, "smollm2")
+    adapter = load_adapter(out, ModelConfig.from_pretrained(smollm2[1]))
+    assert adapter.rank == 8
+    engine = Engine(EngineConfig(model=smollm2[1], num_pages=256, max_rank=16),
+                    adapter_source=LoadedSource([adapter]))
+    base, styled = LLM(engine=engine).generate(
+        [chat_ids, chat_ids], SamplingParams(max_tokens=12), adapters=[None, adapter.digest])
+    assert "Paris" in base.text and not base.text.startswith("Arr"), base.text
+    assert styled.text.startswith("Arr, matey!"), styled.text

@@ -44,7 +44,7 @@ def gguf_architecture(gguf_file: str | Path) -> str:
     try:
         reader = gguf.GGUFReader(str(path))
         field = reader.fields["general.architecture"]
-    except (KeyError, ValueError, OSError) as exc:
+    except (KeyError, ValueError, OSError, IndexError) as exc:
         raise ValueError(f"--model {path}: not a readable GGUF file ({exc})") from exc
     return str(field.contents())
 
