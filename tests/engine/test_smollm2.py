@@ -64,6 +64,9 @@ def test_conversion_is_a_plain_folder_and_is_reused(smollm2, monkeypatch):
     assert (config.hidden_size, config.num_layers, config.num_heads, config.num_kv_heads,
             config.vocab_size, config.tie_word_embeddings) == (576, 30, 9, 3, 49152, True)
     assert not list(folder.glob("*.bin")) and not list(folder.glob("*.pt"))
+    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert "<|im_start|>" in tok_config["chat_template"]
+    assert tok_config["tokenizer_class"] == "PreTrainedTokenizerFast"
     from transformers import AutoTokenizer
 
     assert "<|im_start|>" in AutoTokenizer.from_pretrained(path).chat_template

@@ -110,20 +110,27 @@ def convert_gguf(src: Path, out: Path) -> None:
         json.dump(config, f, indent=2)
     model.generation_config.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
-    _embed_chat_template(out, tokenizer.chat_template)
+    _portable_tokenizer_config(out, tokenizer.chat_template,
+                               config.get("max_position_embeddings"))
     with open(out / "gguf_source.json", "w", encoding="utf-8") as f:
         json.dump({"gguf_file": str(src), "size": src.stat().st_size,
                    "conversion_version": CONVERSION_VERSION}, f, indent=2)
 
 
-def _embed_chat_template(out: Path, template: str | None) -> None:
-    # transformers 5 writes the template to chat_template.jinja; older readers (and tools that
-    # only look at tokenizer_config.json) find it in the config as well.
-    if not template:
-        return
+def _portable_tokenizer_config(out: Path, template: str | None, max_len: int | None) -> None:
+    # transformers 5 writes its own class name, this machine's loading flags and no length
+    # limit; the folder should read the same under transformers 4 and elsewhere. It also
+    # writes the template to chat_template.jinja only: older readers (and tools that look only
+    # at tokenizer_config.json) find it in the config as well.
     config_file = out / "tokenizer_config.json"
     config = json.loads(config_file.read_text(encoding="utf-8"))
-    config.setdefault("chat_template", template)
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    for key in ("is_local", "local_files_only", "backend"):
+        config.pop(key, None)
+    if max_len:
+        config["model_max_length"] = int(max_len)
+    if template:
+        config.setdefault("chat_template", template)
     config_file.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
