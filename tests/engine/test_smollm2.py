@@ -12,6 +12,7 @@ import json
 
 import pytest
 
+from loraplex.adapter_store.cli import base_model_config
 from loraplex.adapter_store.format import load_adapter
 from loraplex.server.config import EngineConfig, SchedulerConfig
 from loraplex.server.engine.engine import Engine
@@ -61,6 +62,7 @@ def test_conversion_is_a_plain_folder_and_is_reused(smollm2, monkeypatch):
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
     assert not [p for p in folder.parent.iterdir() if p.name.startswith(".gguf-")]
     config = ModelConfig.from_pretrained(folder)
+    assert base_model_config("smollm2") == config  # the gateway's and `adapters push`'s view
     assert (config.hidden_size, config.num_layers, config.num_heads, config.num_kv_heads,
             config.vocab_size, config.tie_word_embeddings) == (576, 30, 9, 3, 49152, True)
     assert not list(folder.glob("*.bin")) and not list(folder.glob("*.pt"))
