@@ -1,5 +1,7 @@
 """GGUF checkpoints (``--model PATH.gguf`` and the built-in ``smollm2``) -> a Hugging Face
-folder, converted once into the cache directory and reused by every later start.
+folder, converted once into the cache directory and reused by every later start. The file's
+``general.architecture`` must be ``llama`` (Llama, and Mistral as llama.cpp writes it) or
+``qwen2``.
 
 The dequantization is transformers' own (``from_pretrained(..., gguf_file=...)``, which also
 undoes llama.cpp's q/k row permutation); this module only writes what it loaded as a plain
@@ -24,9 +26,15 @@ logger = logging.getLogger(__name__)
 
 # Bump when the folder layout changes, so cached conversions are rebuilt.
 CONVERSION_VERSION = 1
-# ``general.architecture`` values whose dequantized weights fit models/llama.py (Mistral
-# GGUFs usually say "llama"; transformers names the others).
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# ``general.architecture`` values whose dequantized weights fit models/llama.py and that
+# transformers can read (llama.cpp writes Mistral models as "llama").
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+# Generic PretrainedConfig fields (and this machine's path) that to_dict() adds and a saved
+# config.json does not need.
+_CONFIG_NOISE = ("quantization_config", "_model_name_or_path", "_name_or_path",
+                 "transformers_version", "id2label", "label2id", "problem_type",
+                 "chunk_size_feed_forward", "output_hidden_states", "output_attentions",
+                 "return_dict", "is_encoder_decoder")
 _DONE = "model.safetensors"
 
 
@@ -97,7 +105,7 @@ def convert_gguf(src: Path, out: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
                                                  dtype=torch.float32)
     config = model.config.to_dict()
-    for key in ("quantization_config", "_model_name_or_path", "transformers_version"):
+    for key in _CONFIG_NOISE:
         config.pop(key, None)
     config["architectures"] = [type(model).__name__]
     config["torch_dtype"] = "float32"
