@@ -14,7 +14,7 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install serve test lint bench clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
