@@ -322,12 +322,19 @@ def _demo_adapter(args: argparse.Namespace) -> int:
         train = args.model == "smollm2" or args.model.lower().endswith(".gguf")
     default = ",".join(TARGET_MODULES) if train else "q_proj,v_proj"
     targets = tuple(t.strip() for t in (args.targets or default).split(",") if t.strip())
-    if not train:
+    if train:
+        out = _train_demo_adapter(args, targets)
+    else:
         out = write_demo_adapter(args.dir, args.model, args.rank, targets, args.seed)
-        print(f"wrote a random rank-{args.rank} LoRA adapter ({', '.join(targets)}) for "
-              f"{args.model} to {out}")
-        return 0
+    print(f"wrote a {'trained' if train else 'random'} rank-{args.rank} LoRA adapter "
+          f"({', '.join(targets)}) for {args.model} to {out}")
+    return 0
+
+
+def _train_demo_adapter(args: argparse.Namespace, targets: tuple[str, ...]) -> Path:
     import logging
+
+    from transformers.utils import logging as hf_logging
 
     from loraplex.server.engine.models.builtin import resolve_model_path
     from loraplex.server.style_adapter import train_style_adapter
@@ -335,17 +342,12 @@ def _demo_adapter(args: argparse.Namespace) -> int:
     if args.model == "demo":
         raise ValueError("--train: the demo model has random weights; train on smollm2")
     training = StyleTraining(steps=args.steps, rank=args.rank, seed=args.seed, targets=targets)
-    from transformers.utils import logging as hf_logging
-
     logging.getLogger("loraplex.server.style_adapter").setLevel(logging.INFO)  # progress
     hf_logging.disable_progress_bar()  # the steps are the progress; not a weight-loading bar
     print(f"training a rank-{args.rank} pirate-style LoRA adapter for {args.model} "
           f"({args.steps} steps on the CPU)...", file=sys.stderr, flush=True)
-    out = train_style_adapter(resolve_model_path(args.model), args.dir, training,
-                              base_name=args.model)
-    print(f"wrote a trained rank-{args.rank} LoRA adapter ({', '.join(targets)}) for "
-          f"{args.model} to {out}")
-    return 0
+    return train_style_adapter(resolve_model_path(args.model), args.dir, training,
+                               base_name=args.model)
 
 
 def push_remote(args: argparse.Namespace) -> int:
