@@ -79,7 +79,8 @@ def gguf_model_path(gguf_file: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".gguf-", dir=path.parent))
     try:
-        logger.info("converting %s (%s) once into %s", src, arch, path)
+        # Shown at the default log level: the first start pauses here (about 20 s for SmolLM2).
+        logger.warning("first use of %s: converting it (%s) once into %s", src.name, arch, path)
         convert_gguf(src, tmp)
         try:
             os.rename(tmp, path)
