@@ -95,10 +95,14 @@ def base_model_config(model: str) -> ModelConfig:
         from loraplex.server.engine.models.demo import demo_model_config
 
         return demo_model_config()
-    if model == "smollm2" or model.lower().endswith(".gguf"):
-        from loraplex.server.engine.models.builtin import resolve_model_path
+    from loraplex.server.engine.models.builtin import gguf_source
 
-        model = resolve_model_path(model)  # converted once, then read from the cache
+    source = gguf_source(model)
+    if source is not None:
+        from loraplex.server.engine.models.gguf import gguf_config
+
+        # the GGUF header is enough: a gateway never needs the converted weights
+        return ModelConfig.from_hf_dict(gguf_config(source))
     path = Path(model)
     if not (path / "config.json").is_file():
         raise ValueError(f"--model {model}: no config.json there (or use --model demo or "

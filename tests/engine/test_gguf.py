@@ -74,3 +74,17 @@ def test_an_unsupported_architecture_is_refused_before_loading(tmp_path, monkeyp
     w.close()
     with pytest.raises(ValueError, match="GGUF architecture 'gpt2' is not one of"):
         resolve_model_path(str(path))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_gateway_reads_a_gguf_config_without_converting(arch, tmp_path, monkeypatch):
+    from loraplex.adapter_store.cli import base_model_config
+
+    monkeypatch.setenv("LORAPLEX_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_file = write_tiny_gguf(tmp_path / f"tiny-{arch}.gguf", arch)
+    header = base_model_config(str(gguf_file))
+    assert not (tmp_path / "cache" / "gguf").exists()  # nothing converted
+    converted = ModelConfig.from_pretrained(resolve_model_path(str(gguf_file)))
+    assert header.dims_key() == converted.dims_key()
+    assert (header.tie_word_embeddings, header.attention_bias) == (
+        converted.tie_word_embeddings, converted.attention_bias)

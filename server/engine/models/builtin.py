@@ -31,6 +31,19 @@ def smollm2_gguf_path() -> Path:
                      f"package (reinstall it: {SMOLLM2_INSTALL})")
 
 
+def gguf_source(model: str) -> Path | None:
+    """The GGUF file behind ``--model`` (``smollm2`` or a ``*.gguf`` path), else None.
+
+    Raises:
+        ValueError: ``smollm2`` without its package.
+    """
+    if model == "smollm2":
+        return smollm2_gguf_path()
+    if model.lower().endswith(".gguf"):
+        return Path(model)
+    return None
+
+
 def resolve_model_path(model: str) -> str:
     """The Hugging Face folder for ``--model``: ``demo`` (built on first use), ``smollm2`` or
     a ``*.gguf`` file (converted on first use), else ``model`` itself (a folder).
@@ -42,9 +55,9 @@ def resolve_model_path(model: str) -> str:
         from loraplex.server.engine.models.demo import demo_model_path
 
         return str(demo_model_path())
-    if model == "smollm2" or model.lower().endswith(".gguf"):
+    source = gguf_source(model)
+    if source is not None:
         from loraplex.server.engine.models.gguf import gguf_model_path
 
-        source = smollm2_gguf_path() if model == "smollm2" else Path(model)
         return str(gguf_model_path(source))
     return model

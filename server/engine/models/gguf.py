@@ -72,10 +72,7 @@ def gguf_model_path(gguf_file: str | Path) -> Path:
     path = _cache_path(src)
     if (path / _DONE).exists():
         return path
-    arch = gguf_architecture(src)
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"--model {src}: GGUF architecture {arch!r} is not one of "
-                         f"{list(SUPPORTED_ARCHITECTURES)}")
+    arch = _supported_architecture(src)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".gguf-", dir=path.parent))
     try:
@@ -92,6 +89,26 @@ def gguf_model_path(gguf_file: str | Path) -> Path:
     return path
 
 
+def gguf_config(gguf_file: str | Path) -> dict:
+    """The model's Hugging Face ``config.json`` as a dict, without converting the weights:
+    the converted folder's when it exists, else parsed from the GGUF header (metadata and
+    tensor names only: seconds, and little memory). What a gateway needs to check uploads.
+
+    Raises:
+        ValueError: as ``gguf_model_path``.
+    """
+    src = Path(gguf_file).resolve()
+    path = _cache_path(src)
+    if (path / _DONE).exists():
+        with open(path / "config.json", encoding="utf-8") as f:
+            return dict(json.load(f))
+    _supported_architecture(src)
+    from transformers import AutoConfig
+
+    return _clean_config(AutoConfig.from_pretrained(str(src.parent), gguf_file=src.name)
+                         .to_dict())
+
+
 def convert_gguf(src: Path, out: Path) -> None:
     """Dequantize ``src`` with transformers and write a Hugging Face folder into ``out``.
 
@@ -105,9 +122,7 @@ def convert_gguf(src: Path, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name,
                                                  dtype=torch.float32)
-    config = model.config.to_dict()
-    for key in _CONFIG_NOISE:
-        config.pop(key, None)
+    config = _clean_config(model.config.to_dict())
     config["architectures"] = [type(model).__name__]
     config["torch_dtype"] = "float32"
     tied = bool(config.get("tie_word_embeddings"))
@@ -124,6 +139,18 @@ def convert_gguf(src: Path, out: Path) -> None:
     with open(out / "gguf_source.json", "w", encoding="utf-8") as f:
         json.dump({"gguf_file": str(src), "size": src.stat().st_size,
                    "conversion_version": CONVERSION_VERSION}, f, indent=2)
+
+
+def _supported_architecture(src: Path) -> str:
+    arch = gguf_architecture(src)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"--model {src}: GGUF architecture {arch!r} is not one of "
+                         f"{list(SUPPORTED_ARCHITECTURES)}")
+    return arch
+
+
+def _clean_config(config: dict) -> dict:
+    return {k: v for k, v in config.items() if k not in _CONFIG_NOISE}
 
 
 def _portable_tokenizer_config(out: Path, template: str | None, max_len: int | None) -> None:
