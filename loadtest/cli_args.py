@@ -163,7 +163,8 @@ def add_system_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--serve-args", default="",
                    help="more 'loraplex serve' flags for --serve, e.g. '--scheduling vtc'")
     g.add_argument("--model", default="demo",
-                   help="base model directory or 'demo' (adapter shapes, engine, baseline)")
+                   help="base model: a directory, a .gguf file, 'smollm2' or 'demo' (adapter "
+                        "shapes, engine, baseline)")
     g.add_argument("--adapters-dir", type=Path, default=None,
                    help="random adapters are written here (default: under LORAPLEX_CACHE_DIR)")
     g.add_argument("--adapter-rank", type=int, default=8)

@@ -65,7 +65,7 @@ class AdapterSet:
             from loraplex.server.engine.models.demo import demo_model_config
 
             return demo_model_config()
-        return ModelConfig.from_pretrained(self.model)
+        return ModelConfig.from_pretrained(resolve_model_path(self.model))
 
     def ensure(self, trace: Trace, progress: bool = False) -> dict[str, Path]:
         """Directories of every adapter ``trace`` names, written if missing."""

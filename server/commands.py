@@ -19,6 +19,7 @@ from typing import Any
 
 from loraplex.server import env
 from loraplex.server.settings import add_flags, apply_env, check_env, set_flag_default
+from loraplex.server.style_adapter import TARGET_MODULES, StyleTraining
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 
@@ -90,12 +91,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     generate.set_defaults(func=_generate)
 
     demo = subparsers.add_parser(
-        "demo-adapter", help="write a random PEFT LoRA adapter for a base model (for trying "
-        "uploads and adapters on the demo model)")
+        "demo-adapter", help="write a PEFT LoRA adapter for a base model: trained to answer "
+        "like a pirate for a real model (smollm2, a .gguf), random for the demo model",
+        description="For --model smollm2 or a .gguf file: fine-tune a LoRA (peft, CPU, about "
+        "a minute or two) on built-in questions answered like a pirate, so its effect shows in "
+        "the text. For --model demo or a folder: random weights (--train to train on a "
+        "folder with a chat template).")
     demo.add_argument("dir", help="the directory to create")
-    demo.add_argument("--model", default="demo", help="a directory with config.json, or 'demo'")
+    demo.add_argument("--model", default="demo",
+                      help="a directory with config.json, a .gguf file, 'smollm2' or 'demo'")
+    demo.add_argument("--train", action=argparse.BooleanOptionalAction, default=None,
+                      help="train the pirate-style adapter (default: for smollm2 and .gguf "
+                           "models) or write random weights (--no-train)")
+    demo.add_argument("--steps", type=int, default=StyleTraining.steps,
+                      help="training steps, one question/answer pair each")
     demo.add_argument("--rank", type=int, default=8)
-    demo.add_argument("--targets", default="q_proj,v_proj", help="comma-separated modules")
+    demo.add_argument("--targets", default=None, help="comma-separated modules (default "
+                      "q_proj,v_proj random; q_proj,k_proj,v_proj,o_proj trained)")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo_adapter)
 
@@ -220,11 +232,37 @@ def write_demo_adapter(path: str | Path, model: str = "demo", rank: int = 8,
 
 
 def _demo_adapter(args: argparse.Namespace) -> int:
-    targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
-    out = write_demo_adapter(args.dir, args.model, args.rank, targets, args.seed)
-    print(f"wrote a rank-{args.rank} LoRA adapter ({', '.join(targets)}) for {args.model} to "
-          f"{out}")
+    train = args.train
+    if train is None:
+        train = args.model == "smollm2" or args.model.lower().endswith(".gguf")
+    default = ",".join(TARGET_MODULES) if train else "q_proj,v_proj"
+    targets = tuple(t.strip() for t in (args.targets or default).split(",") if t.strip())
+    if train:
+        out = _train_demo_adapter(args, targets)
+    else:
+        out = write_demo_adapter(args.dir, args.model, args.rank, targets, args.seed)
+    print(f"wrote a {'trained' if train else 'random'} rank-{args.rank} LoRA adapter "
+          f"({', '.join(targets)}) for {args.model} to {out}")
     return 0
+
+
+def _train_demo_adapter(args: argparse.Namespace, targets: tuple[str, ...]) -> Path:
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    from loraplex.server.engine.models.builtin import resolve_model_path
+    from loraplex.server.style_adapter import train_style_adapter
+
+    if args.model == "demo":
+        raise ValueError("--train: the demo model has random weights; train on smollm2")
+    training = StyleTraining(steps=args.steps, rank=args.rank, seed=args.seed, targets=targets)
+    logging.getLogger("loraplex.server.style_adapter").setLevel(logging.INFO)  # progress
+    hf_logging.disable_progress_bar()  # the steps are the progress; not a weight-loading bar
+    print(f"training a rank-{args.rank} pirate-style LoRA adapter for {args.model} "
+          f"({args.steps} steps on the CPU)...", file=sys.stderr, flush=True)
+    return train_style_adapter(resolve_model_path(args.model), args.dir, training,
+                               base_name=args.model)
 
 
 def push_remote(args: argparse.Namespace) -> int:

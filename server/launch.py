@@ -199,7 +199,7 @@ def _print_ready(address: str, model: str, store: str, keyless: bool, metrics_po
     lines += [
         "try:",
         f"  loraplex generate --server {address}{key} \"{EXAMPLE_PROMPT}\"",
-        "  loraplex demo-adapter /tmp/demo-lora",
+        f"  loraplex demo-adapter --model {model} /tmp/demo-lora",
         f"  loraplex adapters push --server {address}{key} --name demo /tmp/demo-lora",
         f"  loraplex generate --server {address}{key} --adapter demo \"{EXAMPLE_PROMPT}\"",
         *([f"  loraplex generate --server {address}{key} --chat \"What is LoRA?\""]

@@ -164,3 +164,73 @@ def assert_pages_idle(engine) -> None:
     s = engine.pager.stats()
     assert s.num_kv == 0, s
     assert s.num_free + s.num_evictable == s.num_pages, s
+
+
+# -- GGUF files ---------------------------------------------------------------------------------
+
+def write_tiny_gguf(path: Path, arch: str = "llama", seed: int = 0, num_layers: int = 2,
+                    hidden: int = 64, num_heads: int = 4, num_kv_heads: int = 2,
+                    intermediate: int = 128) -> Path:
+    """A tiny random float32 GGUF file (``llama`` or ``qwen2``, q/k/v biases for qwen2) with a
+    byte-level BPE tokenizer and a chat template, written with the ``gguf`` package as
+    llama.cpp lays it out."""
+    import gguf
+    import numpy as np
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    rng = np.random.default_rng(seed)
+    tokens = sorted(ByteLevel.alphabet()) + ["Ġt", "<s>", "</s>", "<pad>"]
+    vocab = len(tokens)
+    kv = num_kv_heads * hidden // num_heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny")
+    w.add_block_count(num_layers)
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(intermediate)
+    w.add_head_count(num_heads)
+    w.add_head_count_kv(num_kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(0)  # all float32
+    if arch == "llama":
+        w.add_rope_dimension_count(hidden // num_heads)
+    w.add_vocab_size(vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (vocab - 3) + [3, 3, 3])  # normal, then control tokens
+    w.add_token_merges(["Ġ t"])
+    w.add_bos_token_id(vocab - 3)
+    w.add_eos_token_id(vocab - 2)
+    w.add_pad_token_id(vocab - 1)
+    w.add_add_bos_token(False)
+    w.add_chat_template("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>"
+                        "{% endfor %}{% if add_generation_prompt %}<s>assistant: {% endif %}")
+
+    def tensor(name: str, *shape: int, base: float = 0.0) -> None:
+        w.add_tensor(name, (base + rng.standard_normal(shape) * 0.1).astype(np.float32))
+
+    tensor("token_embd.weight", vocab, hidden)
+    for i in range(num_layers):
+        p = f"blk.{i}."
+        tensor(p + "attn_norm.weight", hidden, base=1.0)
+        tensor(p + "attn_q.weight", hidden, hidden)
+        tensor(p + "attn_k.weight", kv, hidden)
+        tensor(p + "attn_v.weight", kv, hidden)
+        tensor(p + "attn_output.weight", hidden, hidden)
+        if arch == "qwen2":
+            tensor(p + "attn_q.bias", hidden)
+            tensor(p + "attn_k.bias", kv)
+            tensor(p + "attn_v.bias", kv)
+        tensor(p + "ffn_norm.weight", hidden, base=1.0)
+        tensor(p + "ffn_gate.weight", intermediate, hidden)
+        tensor(p + "ffn_up.weight", intermediate, hidden)
+        tensor(p + "ffn_down.weight", hidden, intermediate)
+    tensor("output_norm.weight", hidden, base=1.0)
+    tensor("output.weight", vocab, hidden)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

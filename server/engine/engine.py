@@ -19,8 +19,8 @@ from loraplex.kernels.layout import kv_page_elems
 from loraplex.server.config import EngineConfig
 from loraplex.server.engine.adapter_cache import AdapterManager, AdapterSource
 from loraplex.server.engine.model_runner import ModelRunner
+from loraplex.server.engine.models.builtin import resolve_model_path
 from loraplex.server.engine.models.config import ModelConfig, parse_dtype
-from loraplex.server.engine.models.demo import demo_model_path
 from loraplex.server.engine.models.llama import LlamaModel
 from loraplex.server.engine.models.loader import load_weights, model_revision
 from loraplex.server.engine.pager import Pager, PagerStats
@@ -66,10 +66,6 @@ class EngineStats:
     adapter_evictions: int = 0
     prefix_queried_tokens: dict[str, int] = field(default_factory=dict)  # by tenant
     prefix_hit_tokens: dict[str, int] = field(default_factory=dict)  # by tenant
-
-
-def resolve_model_path(model: str) -> str:
-    return str(demo_model_path()) if model == "demo" else model
 
 
 class Engine:

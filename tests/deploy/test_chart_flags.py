@@ -165,8 +165,9 @@ def test_keyless_gateway_is_allowed_explicitly(monkeypatch: pytest.MonkeyPatch) 
     assert args.allow_unauthenticated is True and args.api_keys is None
 
 
-def test_demo_model_on_both_sides(monkeypatch: pytest.MonkeyPatch) -> None:
-    values = {"model": {"source": "demo"}}
+@pytest.mark.parametrize("source", ["demo", "smollm2"])
+def test_builtin_model_on_both_sides(monkeypatch: pytest.MonkeyPatch, source: str) -> None:
+    values = {"model": {"source": source}}
     for command in ("gateway", "worker"):
         argv, env = _resolved(values, command)
-        assert _parse(monkeypatch, argv, env).model == "demo"
+        assert _parse(monkeypatch, argv, env).model == source

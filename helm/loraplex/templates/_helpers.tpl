@@ -71,8 +71,8 @@ app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
 
 {{/* The workers' `--model`. */}}
 {{- define "loraplex.worker.model" -}}
-{{- if eq .Values.model.source "demo" -}}
-demo
+{{- if has .Values.model.source (list "demo" "smollm2") -}}
+{{ .Values.model.source }}
 {{- else -}}
 {{- printf "/models/%s" .Values.model.path | clean -}}
 {{- end -}}
@@ -80,11 +80,11 @@ demo
 
 {{/*
 The gateway's `--model`: a directory with the model's config.json. From model.configMap when
-set, else from the model's PVC; the demo model needs neither.
+set, else from the model's PVC; the built-in models (demo, smollm2) need neither.
 */}}
 {{- define "loraplex.gateway.model" -}}
-{{- if eq .Values.model.source "demo" -}}
-demo
+{{- if has .Values.model.source (list "demo" "smollm2") -}}
+{{ .Values.model.source }}
 {{- else if .Values.model.configMap -}}
 /etc/loraplex/model
 {{- else if eq .Values.model.source "pvc" -}}
