@@ -79,13 +79,22 @@ def sampling_params_from_pb(m: generation_pb2.SamplingParams) -> SamplingParams:
         top_p=m.top_p if m.HasField("top_p") else _DEFAULT_PARAMS.top_p,
         seed=m.seed if m.HasField("seed") else None,
         stop_token_ids=tuple(m.stop_token_ids), stop=tuple(m.stop), ignore_eos=m.ignore_eos,
-        logprobs=m.logprobs if m.HasField("logprobs") else None)
+        logprobs=m.logprobs if m.HasField("logprobs") else None,
+        min_tokens=m.min_tokens, presence_penalty=m.presence_penalty,
+        frequency_penalty=m.frequency_penalty,
+        repetition_penalty=(m.repetition_penalty if m.HasField("repetition_penalty")
+                            else _DEFAULT_PARAMS.repetition_penalty),
+        logit_bias=tuple(sorted(m.logit_bias.items())), min_p=m.min_p)
 
 
 def sampling_params_to_pb(p: SamplingParams) -> generation_pb2.SamplingParams:
     m = generation_pb2.SamplingParams(
         max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-        stop_token_ids=list(p.stop_token_ids), stop=list(p.stop), ignore_eos=p.ignore_eos)
+        stop_token_ids=list(p.stop_token_ids), stop=list(p.stop), ignore_eos=p.ignore_eos,
+        min_tokens=p.min_tokens, presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty, logit_bias=dict(p.logit_bias), min_p=p.min_p)
+    if p.repetition_penalty != _DEFAULT_PARAMS.repetition_penalty:
+        m.repetition_penalty = p.repetition_penalty
     if p.seed is not None:
         m.seed = p.seed
     if p.logprobs is not None:

@@ -74,7 +74,8 @@ BROKEN_STREAM = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
 
 def check_bounds(request: GenerateRequest, config: GatewayConfig) -> None:
     """Refuse a request whose fields are out of bounds (what needs no tokenizer; the engine's
-    ``SamplingParams`` already bounds stop strings and logprobs).
+    ``SamplingParams``, built from the message, already bounds stop strings, logprobs and
+    the sampling controls; unknown token ids in ``logit_bias`` are the worker's to refuse).
 
     Raises:
         ServiceError: INVALID_ARGUMENT naming the field.

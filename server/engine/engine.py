@@ -181,6 +181,10 @@ class Engine:
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
+        unknown = sorted(t for t, _ in params.logit_bias if t >= vocab)
+        if unknown:
+            raise ValueError(f"logit_bias: token ids {unknown[:5]} are not in the vocabulary "
+                             f"[0, {vocab})")
         total = len(token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(f"prompt: {len(token_ids)} prompt tokens + max_tokens "
@@ -252,7 +256,9 @@ class Engine:
             return outputs
         sampling = [run.sampling_requests[i] for i in rows]
         try:
-            result = sample(run.logits[rows], SamplingMetadata.from_requests(sampling))
+            metadata = SamplingMetadata.from_requests(sampling, self.model_config.vocab_size,
+                                                      self.eos_token_ids)
+            result = sample(run.logits[rows], metadata)
         except Exception as exc:  # a bug in the sampler: this batch's sampling requests fail
             logger.exception("sampling failed")
             for req in sampling:

@@ -3,7 +3,11 @@
 The one seam that structured output (an allowed-token bitmask), speculative decoding
 (1 + k rows per request) and parallel sampling (n rows per request) fill or read.
 
-1. Every row's logits get its logit bias and its allowed-token bitmask (masked tokens -inf).
+1. Every row's logits get its penalties (repetition as transformers defines it over prompt and
+   output tokens, then OpenAI's frequency and presence penalties over output tokens), its
+   logit bias, its min-tokens mask (EOS and stop tokens -inf until ``min_tokens``) and its
+   allowed-token bitmask (masked tokens -inf): the same few tensor ops for every row, a row
+   that asks for nothing getting neutral values.
 2. Greedy rows take the argmax; the others are scaled by their temperature, cut to their top-k,
    top-p and min-p sets, and turned into probabilities: a few tensor ops for the whole batch,
    whatever the mix of parameters.
@@ -16,11 +20,12 @@ The one seam that structured output (an allowed-token bitmask), speculative deco
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from loraplex.server.engine.controls import apply_controls, build_controls
 from loraplex.server.engine.request import Request, TokenLogprob
 
 
@@ -40,7 +45,16 @@ class SamplingMetadata:
         logprobs: ``[R]`` None for no logprobs; n: the chosen token's and the top n.
         min_p: ``[R]`` float32 or None; drop tokens below ``min_p`` times the row's top
             probability.
-        logit_bias: ``[R, V]`` float32 or None, added to the logits first.
+        logit_bias: ``[R, V]`` float32 or None, added to the logits after the penalties.
+        repetition_penalty: ``[R]`` float32 or None (1.0: none), on ``seen_tokens``.
+        seen_tokens: ``[R, V]`` bool, the tokens of each row's prompt and output (set with
+            ``repetition_penalty``).
+        frequency_penalty / presence_penalty: ``[R]`` float32 or None (0.0: none), on
+            ``output_token_counts``.
+        output_token_counts: ``[R, V]`` float32, how often each row generated each token (set
+            with the two penalties).
+        blocked_tokens: ``[R, V]`` bool or None, tokens masked for this step (EOS and stop
+            tokens of a row that has not reached its ``min_tokens``).
         allowed_token_bitmask: ``[R, ceil(V / 32)]`` int32 or None; bit ``j`` of word ``w``
             set means token ``32 * w + j`` is allowed (a row of -1 allows every token).
         return_probs: return the final probabilities of every row (speculative verification).
@@ -58,16 +72,33 @@ class SamplingMetadata:
     logit_bias: torch.Tensor | None = None
     allowed_token_bitmask: torch.Tensor | None = None
     return_probs: bool = False
+    repetition_penalty: torch.Tensor | None = None
+    seen_tokens: torch.Tensor | None = None
+    frequency_penalty: torch.Tensor | None = None
+    presence_penalty: torch.Tensor | None = None
+    output_token_counts: torch.Tensor | None = None
+    blocked_tokens: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
         return len(self.row_requests)
 
     @classmethod
-    def from_requests(cls, requests: Sequence[Request]) -> SamplingMetadata:
-        """One row per request, from each request's ``SamplingParams`` (CPU tensors)."""
+    def from_requests(cls, requests: Sequence[Request], vocab_size: int | None = None,
+                      eos_token_ids: Iterable[int] = ()) -> SamplingMetadata:
+        """One row per request, from each request's ``SamplingParams`` (CPU tensors).
+
+        Args:
+            requests: one per row.
+            vocab_size: ``V``; needed when a row asks for penalties, a logit bias or min
+                tokens (the ``[R, V]`` tensors), else unused.
+            eos_token_ids: the model's end-of-sequence tokens, masked by ``min_tokens``.
+        Raises:
+            ValueError: a row needs ``[R, V]`` tensors and ``vocab_size`` is None.
+        """
         params = [r.params for r in requests]
         greedy = [p.greedy for p in params]
+        fields = build_controls(requests, vocab_size, tuple(eos_token_ids))
         return cls(
             requests=tuple(requests),
             row_requests=tuple(range(len(requests))),
@@ -78,6 +109,7 @@ class SamplingMetadata:
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
             logprobs=tuple(p.logprobs for p in params),
+            **fields,
         )
 
 
@@ -113,8 +145,7 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
     if num_rows != metadata.num_rows:
         raise ValueError(f"logits: {num_rows} rows for {metadata.num_rows} rows of metadata")
     raw = logits
-    if metadata.logit_bias is not None:
-        logits = logits + metadata.logit_bias.to(logits.device)
+    logits = apply_controls(logits, metadata)
     if metadata.allowed_token_bitmask is not None:
         allowed = unpack_bitmask(metadata.allowed_token_bitmask.to(logits.device), vocab)
         logits = logits.masked_fill(~allowed, float("-inf"))
@@ -173,6 +204,7 @@ def _probabilities(logits: torch.Tensor, metadata: SamplingMetadata,
         min_p = metadata.min_p[index]
         floor = min_p[:, None] * probs.amax(-1, keepdim=True)
         probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
     return probs
 
 

@@ -64,6 +64,25 @@ def test_logprobs_and_request_id_echo(cluster: Cluster) -> None:
         assert lp.top[0][1] >= lp.top[-1][1]
 
 
+def test_sampling_controls_over_grpc_agree_with_the_offline_engine(cluster: Cluster,
+                                                                   model_dir: Path) -> None:
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True,
+                            min_tokens=2, presence_penalty=0.5, frequency_penalty=0.3,
+                            repetition_penalty=1.4, min_p=0.05, logit_bias={3: 4.0, 9: -2.0})
+    offline = LLM(engine=Engine(engine_config(model_dir)))
+    want = offline.generate(PROMPTS[:2], params)
+    with cluster.client() as client:
+        for prompt, expected in zip(PROMPTS[:2], want):
+            assert client.generate(prompt, params=params).token_ids == expected.token_ids
+        forced = client.generate("x", max_tokens=3, logit_bias={77: 100.0})
+        assert forced.token_ids == [77, 77, 77]
+        vocab = cluster.workers[0].engine.model_config.vocab_size
+        with pytest.raises(ServiceError) as info:  # unknown to the model: the worker refuses
+            client.generate("x", max_tokens=3, logit_bias={vocab + 5: 1.0})
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.message.startswith("logit_bias:")
+
+
 def test_async_client_matches_sync(cluster: Cluster) -> None:
     async def run() -> tuple[list[int], list[int]]:
         async with AsyncClient(cluster.address, api_key="") as client:
@@ -100,6 +119,13 @@ def unchecked_params(**fields: object) -> SamplingParams:
     ({"top_p": 0.0}, "top_p"),
     ({"temperature": float("nan")}, "temperature"),
     ({"stop_token_ids": tuple(range(65))}, "stop_token_ids"),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"min_p": float("nan")}, "min_p"),
+    ({"logit_bias": {3: 200.0}}, "logit_bias"),
+    ({"logit_bias": {i: 1.0 for i in range(301)}}, "logit_bias"),
     ({"request_id": "r" * 200}, "request_id"),
     ({"adapter": "Bad Name!"}, "adapter"),
 ])
