@@ -84,7 +84,8 @@ def sampling_params_from_pb(m: generation_pb2.SamplingParams) -> SamplingParams:
         frequency_penalty=m.frequency_penalty,
         repetition_penalty=(m.repetition_penalty if m.HasField("repetition_penalty")
                             else _DEFAULT_PARAMS.repetition_penalty),
-        logit_bias=tuple(sorted(m.logit_bias.items())), min_p=m.min_p)
+        logit_bias=tuple(sorted(m.logit_bias.items())), min_p=m.min_p,
+        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None)
 
 
 def sampling_params_to_pb(p: SamplingParams) -> generation_pb2.SamplingParams:
@@ -99,6 +100,8 @@ def sampling_params_to_pb(p: SamplingParams) -> generation_pb2.SamplingParams:
         m.seed = p.seed
     if p.logprobs is not None:
         m.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        m.prompt_logprobs = p.prompt_logprobs
     return m
 
 
@@ -162,7 +165,8 @@ def _finish_from_pb(value: int) -> str | None:
 
 def chunk_to_pb(c: GenerateChunk) -> generation_pb2.GenerateChunk:
     m = generation_pb2.GenerateChunk(request_id=c.request_id, token_ids=c.token_ids, text=c.text,
-                                     logprobs=_logprobs_to_pb(c.logprobs))
+                                     logprobs=_logprobs_to_pb(c.logprobs),
+                                     prompt_logprobs=_logprobs_to_pb(c.prompt_logprobs))
     if c.finish_reason is not None:
         m.finish_reason = _FINISH_TO_PB[c.finish_reason]
     if c.usage is not None:
@@ -176,6 +180,7 @@ def chunk_from_pb(m: generation_pb2.GenerateChunk) -> GenerateChunk:
     return GenerateChunk(
         request_id=m.request_id, token_ids=list(m.token_ids), text=m.text,
         logprobs=_logprobs_from_pb(m.logprobs), finish_reason=_finish_from_pb(m.finish_reason),
+        prompt_logprobs=_logprobs_from_pb(m.prompt_logprobs),
         usage=_usage_from_pb(m.usage) if m.HasField("usage") else None,
         timing=_timing_from_pb(m.timing) if m.HasField("timing") else None)
 
@@ -184,7 +189,7 @@ def completion_to_pb(c: Completion) -> generation_pb2.GenerateResponse:
     m = generation_pb2.GenerateResponse(
         request_id=c.request_id, token_ids=c.token_ids, text=c.text,
         logprobs=_logprobs_to_pb(c.logprobs), usage=_usage_to_pb(c.usage),
-        timing=_timing_to_pb(c.timing))
+        timing=_timing_to_pb(c.timing), prompt_logprobs=_logprobs_to_pb(c.prompt_logprobs))
     if c.finish_reason is not None:
         m.finish_reason = _FINISH_TO_PB[c.finish_reason]
     return m
@@ -193,6 +198,7 @@ def completion_to_pb(c: Completion) -> generation_pb2.GenerateResponse:
 def completion_from_pb(m: generation_pb2.GenerateResponse) -> Completion:
     return Completion(request_id=m.request_id, token_ids=list(m.token_ids), text=m.text,
                       logprobs=_logprobs_from_pb(m.logprobs),
+                      prompt_logprobs=_logprobs_from_pb(m.prompt_logprobs),
                       finish_reason=_finish_from_pb(m.finish_reason),
                       usage=_usage_from_pb(m.usage), timing=_timing_from_pb(m.timing))
 

@@ -124,7 +124,8 @@ class WorkerService:
                 timer.tokens(len(out.new_token_ids))
                 if not out.finished:
                     yield GenerateChunk(rid, list(out.new_token_ids), out.new_text,
-                                        list(out.logprobs))
+                                        list(out.logprobs),
+                                        prompt_logprobs=list(out.prompt_logprobs))
                     continue
                 finished = True
                 failure = request_failure(out)
@@ -157,7 +158,8 @@ class WorkerService:
         timing = Timing(queue_seconds, timer.ttft, time.monotonic() - timer.start)
         usage = Usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
         return GenerateChunk(req.request_id, list(out.new_token_ids), out.new_text,
-                             list(out.logprobs), out.finish_reason, usage, timing)
+                             list(out.logprobs), out.finish_reason, usage, timing,
+                             list(out.prompt_logprobs))
 
     async def drain(self, grace_seconds: float) -> None:
         """Refuse new requests, let running ones finish for ``grace_seconds``, then abort the

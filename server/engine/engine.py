@@ -246,6 +246,8 @@ class Engine:
                 outputs.append(self._finish(req, RequestStatus.FINISHED_ERROR, ""))
             return outputs
         # From here on a failure is one request's: it fails that request, never the step.
+        for req, entries in run.prompt_logprobs:
+            req.prompt_logprobs.extend(entries)
         for req, n in zip(batch.requests, batch.num_new_tokens):
             try:
                 self._advance(req, n, now)
@@ -311,12 +313,17 @@ class Engine:
         text, stopped = detok.add(token, finished=status is not None)
         if stopped:
             status = RequestStatus.FINISHED_STOPPED
+        # The prompt's logprobs are all known once its first token is out: they ride with it.
+        prompt_lps = req.prompt_logprobs if req.num_output_tokens == 1 else []
         if status is None:
             return RequestOutput(req.request_id, [token], text, False,
                                  logprobs=[lp] if lp is not None else [],
+                                 prompt_logprobs=list(prompt_lps),
                                  num_prompt_tokens=req.num_prompt_tokens,
                                  num_output_tokens=req.num_output_tokens)
-        return self._finish(req, status, text, [token], [lp] if lp is not None else [])
+        out = self._finish(req, status, text, [token], [lp] if lp is not None else [])
+        out.prompt_logprobs = list(prompt_lps)
+        return out
 
     def _finish(self, req: Request, status: RequestStatus, text: str,
                 new_token_ids: list[int] | None = None,

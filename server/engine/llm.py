@@ -21,6 +21,7 @@ class Completion:
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
     num_preemptions: int = 0
 
@@ -69,6 +70,7 @@ class LLM:
                 done.token_ids.extend(out.new_token_ids)
                 done.text += out.new_text
                 done.logprobs.extend(out.logprobs)
+                done.prompt_logprobs.extend(out.prompt_logprobs)
                 if out.finished:
                     done.finish_reason = out.finish_reason
                     done.error = out.error

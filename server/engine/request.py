@@ -55,6 +55,9 @@ class SamplingParams:
             outside the vocabulary.
         min_p: drop tokens whose probability is below ``min_p`` times the most likely
             token's (after temperature, top-k and top-p); 0 disables.
+        prompt_logprobs: None for none; n >= 0 returns, for each prompt token after the
+            first, its logprob given the tokens before it and the top n (computed during
+            prefill; such a request reuses no cached prefix it has not computed itself).
     """
 
     max_tokens: int = 16
@@ -72,6 +75,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_p: float = 0.0
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -123,6 +127,10 @@ class SamplingParams:
         if not (isinstance(rp, (int, float)) and 0 < rp <= MAX_REPETITION_PENALTY):
             raise ValueError(f"repetition_penalty: must be in (0, {MAX_REPETITION_PENALTY:g}] "
                              f"(1 disables), got {rp!r}")
+        plp = self.prompt_logprobs
+        if plp is not None and not (isinstance(plp, int) and 0 <= plp <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs: must be in [0, {MAX_LOGPROBS}], got "
+                             f"{self.prompt_logprobs!r}")
         if not (isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p: must be in [0, 1], got {self.min_p!r}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
@@ -199,6 +207,9 @@ class Request:
     first_token_time: float | None = None
     error: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Entry i: prompt token i + 1 given the tokens before it (filled during prefill, kept
+    # across preemption: recompute never appends twice).
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     generator: torch.Generator | None = None
 
     @property
@@ -236,6 +247,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # with the first token
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0

@@ -226,6 +226,20 @@ def _logprobs(logits: torch.Tensor, metadata: SamplingMetadata, token_ids: list[
     return out
 
 
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int
+                   ) -> list[TokenLogprob]:
+    """The logprob of ``token_ids[i]`` under row ``i`` of ``logits`` ``[N, V]``, with the top
+    ``num_top`` (the model's distribution, as ``logprobs`` reports it)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+    ids = torch.tensor(token_ids, dtype=torch.long, device=lp.device)
+    chosen = lp.gather(1, ids[:, None])[:, 0].tolist()
+    tops: list[tuple[tuple[int, float], ...]] = [()] * len(token_ids)
+    if num_top:
+        values, top_ids = lp.topk(num_top, dim=-1)
+        tops = [tuple(zip(i, v)) for i, v in zip(top_ids.tolist(), values.tolist())]
+    return [TokenLogprob(t, c, top) for t, c, top in zip(token_ids, chosen, tops)]
+
+
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """``[R, ceil(V / 32)]`` int32 -> ``[R, V]`` bool, True where the token is allowed."""
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)

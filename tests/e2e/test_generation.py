@@ -83,6 +83,23 @@ def test_sampling_controls_over_grpc_agree_with_the_offline_engine(cluster: Clus
         assert info.value.message.startswith("logit_bias:")
 
 
+def test_prompt_logprobs_over_grpc(cluster: Cluster, model_dir: Path) -> None:
+    params = SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    want = LLM(engine=Engine(engine_config(model_dir))).generate(PROMPTS[:2], params)
+    with cluster.client() as client:
+        for prompt, expected in zip(PROMPTS[:2], want):
+            unary = client.generate(prompt, params=params)
+            chunks = list(client.generate_stream(prompt, params=params))
+            assert len(expected.prompt_logprobs) == len(expected.prompt_token_ids) - 1
+            for got in (unary.prompt_logprobs, chunks[0].prompt_logprobs):
+                assert [lp.token_id for lp in got] == expected.prompt_token_ids[1:]
+                assert [lp.logprob for lp in got] == pytest.approx(
+                    [lp.logprob for lp in expected.prompt_logprobs], abs=1e-5)
+                assert all(len(lp.top) == 2 for lp in got)
+            assert all(c.prompt_logprobs == [] for c in chunks[1:])
+        assert client.generate("abc", max_tokens=2).prompt_logprobs == []
+
+
 def test_async_client_matches_sync(cluster: Cluster) -> None:
     async def run() -> tuple[list[int], list[int]]:
         async with AsyncClient(cluster.address, api_key="") as client:
@@ -116,6 +133,7 @@ def unchecked_params(**fields: object) -> SamplingParams:
     ({"stop": tuple(f"s{i}" for i in range(17))}, "stop"),
     ({"stop": ("x" * 300,)}, "stop"),
     ({"logprobs": 21}, "logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ({"top_p": 0.0}, "top_p"),
     ({"temperature": float("nan")}, "temperature"),
     ({"stop_token_ids": tuple(range(65))}, "stop_token_ids"),
