@@ -101,9 +101,11 @@ class GenerateChunk:
     usage: Usage | None = None
     timing: Timing | None = None
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # with the first token
+    index: int = 0  # which of the request's n sequences
 
     @property
     def finished(self) -> bool:
+        """This chunk ends its sequence (with n > 1, the stream ends after all n)."""
         return self.finish_reason is not None
 
 

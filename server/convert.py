@@ -85,7 +85,8 @@ def sampling_params_from_pb(m: generation_pb2.SamplingParams) -> SamplingParams:
         repetition_penalty=(m.repetition_penalty if m.HasField("repetition_penalty")
                             else _DEFAULT_PARAMS.repetition_penalty),
         logit_bias=tuple(sorted(m.logit_bias.items())), min_p=m.min_p,
-        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None)
+        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
+        n=m.n if m.HasField("n") else _DEFAULT_PARAMS.n)
 
 
 def sampling_params_to_pb(p: SamplingParams) -> generation_pb2.SamplingParams:
@@ -102,6 +103,8 @@ def sampling_params_to_pb(p: SamplingParams) -> generation_pb2.SamplingParams:
         m.logprobs = p.logprobs
     if p.prompt_logprobs is not None:
         m.prompt_logprobs = p.prompt_logprobs
+    if p.n != _DEFAULT_PARAMS.n:
+        m.n = p.n
     return m
 
 
@@ -166,7 +169,8 @@ def _finish_from_pb(value: int) -> str | None:
 def chunk_to_pb(c: GenerateChunk) -> generation_pb2.GenerateChunk:
     m = generation_pb2.GenerateChunk(request_id=c.request_id, token_ids=c.token_ids, text=c.text,
                                      logprobs=_logprobs_to_pb(c.logprobs),
-                                     prompt_logprobs=_logprobs_to_pb(c.prompt_logprobs))
+                                     prompt_logprobs=_logprobs_to_pb(c.prompt_logprobs),
+                                     index=c.index)
     if c.finish_reason is not None:
         m.finish_reason = _FINISH_TO_PB[c.finish_reason]
     if c.usage is not None:
@@ -180,7 +184,7 @@ def chunk_from_pb(m: generation_pb2.GenerateChunk) -> GenerateChunk:
     return GenerateChunk(
         request_id=m.request_id, token_ids=list(m.token_ids), text=m.text,
         logprobs=_logprobs_from_pb(m.logprobs), finish_reason=_finish_from_pb(m.finish_reason),
-        prompt_logprobs=_logprobs_from_pb(m.prompt_logprobs),
+        prompt_logprobs=_logprobs_from_pb(m.prompt_logprobs), index=m.index,
         usage=_usage_from_pb(m.usage) if m.HasField("usage") else None,
         timing=_timing_from_pb(m.timing) if m.HasField("timing") else None)
 

@@ -41,7 +41,8 @@ class LLM:
     def generate(self, prompts: Sequence[str | list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  adapters: Sequence[str | None] | None = None) -> list[Completion]:
-        """Generate for every prompt; results in prompt order.
+        """Generate for every prompt; results in prompt order (a prompt with ``n > 1`` gives
+        its n completions one after another, by index).
 
         Args:
             prompts: text or token ids.
@@ -55,16 +56,17 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError("sampling_params: need one per prompt")
         adapters = list(adapters) if adapters is not None else [None] * len(prompts)
-        results: dict[str, Completion] = {}
+        results: dict[tuple[str, int], Completion] = {}
         order = []
         for prompt, p, adapter in zip(prompts, params, adapters):
             rid = f"llm-{next(self._ids)}"
-            req = self.engine.add_request(rid, prompt, p, adapter_digest=adapter)
-            results[rid] = Completion(rid, list(req.prompt_token_ids))
-            order.append((rid, req))
+            self.engine.add_request(rid, prompt, p, adapter_digest=adapter)
+            for req in self.engine.sequences(rid):
+                results[rid, req.index] = Completion(rid, list(req.prompt_token_ids))
+                order.append((rid, req))
         while self.engine.has_unfinished():
             for out in self.engine.step():
-                done = results.get(out.request_id)
+                done = results.get((out.request_id, out.index))
                 if done is None:
                     continue
                 done.token_ids.extend(out.new_token_ids)
@@ -74,4 +76,5 @@ class LLM:
                 if out.finished:
                     done.finish_reason = out.finish_reason
                     done.error = out.error
-        return [replace(results[rid], num_preemptions=req.num_preemptions) for rid, req in order]
+        return [replace(results[rid, req.index], num_preemptions=req.num_preemptions)
+                for rid, req in order]

@@ -100,7 +100,13 @@ class ModelRunner:
                 sampling.append(req)
         meta = AttentionMetadata.build([r.page_ids for r in requests], counts, seq_lens,
                                        self.page_size, self.device)
-        lora = self._lora_batch(requests, counts, adapters)
+        lora = self._lora_batch(requests, counts, adapters)  # waits for the adapter copies
+        if batch.page_copies:
+            # Copy-on-write of shared pages, in every layer at once: all sources are read
+            # before any destination is written, and before this step writes any KV.
+            sources = torch.tensor([s for s, _ in batch.page_copies], device=self.pools.device)
+            targets = torch.tensor([d for _, d in batch.page_copies], device=self.pools.device)
+            self.pools[:, targets] = self.pools[:, sources]
         ctx = ForwardContext(meta, self.pools, self.page_size, self.write_kv, self.attention,
                              lora)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)

@@ -24,6 +24,7 @@ MAX_LOGIT_BIAS_TOKENS = 300  # OpenAI's bounds for logit_bias: 300 tokens, biase
 MAX_LOGIT_BIAS = 100.0
 MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty in [-2, 2], as OpenAI bounds them
 MAX_REPETITION_PENALTY = 10.0
+MAX_N = 64  # parallel samples of one request, at most (the gateway's max_n may bound lower)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ class SamplingParams:
             outside the vocabulary.
         min_p: drop tokens whose probability is below ``min_p`` times the most likely
             token's (after temperature, top-k and top-p); 0 disables.
+        n: sequences to sample from the one prompt (1..``MAX_N``): n children of one request
+            that share the prompt's KV pages; child ``i`` draws with ``seed + i`` when seeded.
         prompt_logprobs: None for none; n >= 0 returns, for each prompt token after the
             first, its logprob given the tokens before it and the top n (computed during
             prefill; such a request reuses no cached prefix it has not computed itself).
@@ -76,6 +79,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_p: float = 0.0
     prompt_logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -127,6 +131,8 @@ class SamplingParams:
         if not (isinstance(rp, (int, float)) and 0 < rp <= MAX_REPETITION_PENALTY):
             raise ValueError(f"repetition_penalty: must be in (0, {MAX_REPETITION_PENALTY:g}] "
                              f"(1 disables), got {rp!r}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n: must be an integer in [1, {MAX_N}], got {self.n!r}")
         plp = self.prompt_logprobs
         if plp is not None and not (isinstance(plp, int) and 0 <= plp <= MAX_LOGPROBS):
             raise ValueError(f"prompt_logprobs: must be in [0, {MAX_LOGPROBS}], got "
@@ -211,6 +217,13 @@ class Request:
     # across preemption: recompute never appends twice).
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     generator: torch.Generator | None = None
+    group_id: str = ""  # the request the client sent, when this is one of its n children
+    index: int = 0  # which of the n sequences
+
+    @property
+    def output_id(self) -> str:
+        """The id outputs are reported under: the client's request (all n children share it)."""
+        return self.group_id or self.request_id
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -253,3 +266,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_charged_tokens: int = 0  # tokens counted as service for fairness (never twice)
     error: str | None = None
+    index: int = 0  # the sequence, of the request's n
