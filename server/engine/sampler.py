@@ -11,9 +11,10 @@ The one seam that structured output (an allowed-token bitmask), speculative deco
 2. Greedy rows take the argmax; the others are scaled by their temperature, cut to their top-k,
    top-p and min-p sets, and turned into probabilities: a few tensor ops for the whole batch,
    whatever the mix of parameters.
-3. Only the random draw is per row: ``torch.multinomial`` on the row's final probabilities with
-   the row's own ``torch.Generator``, so a seeded request draws the same tokens alone or in any
-   batch, and across preemption (recompute draws nothing).
+3. Only the random number is per row: one uniform draw from the row's own ``torch.Generator``
+   (a CPU generator), then one batched inverse-CDF search over every row's final
+   probabilities, so a seeded request draws the same tokens alone or in any batch, on any
+   device, and across preemption (recompute draws nothing).
 4. A row whose logits or probabilities are not usable (NaN, +inf, nothing left to draw) is
    reported in ``failed_rows``; the sampler never raises for one row's numbers.
 """
@@ -162,50 +163,84 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         probs_out[greedy_rows, [token_ids[i] for i in greedy_rows]] = 1.0
     failed_rows = set(torch.nonzero(failed.cpu()).flatten().tolist())
     if drawn:
-        # Request generators are CPU generators (seeded draws do not depend on the device),
-        # and torch refuses a CPU generator for CUDA tensors: draw from a CPU copy of the rows.
         index = torch.tensor(drawn)
-        probs = _probabilities(logits[index.to(logits.device)].cpu(), metadata, index)
-        bad = ~probs.isfinite().all(-1) | ~(probs.sum(-1) > 0)  # [len(drawn)]
+        probs = _probabilities(logits[index.to(logits.device)], metadata,
+                               index.to(logits.device))  # [N, V] on the logits' device
+        bad = (~probs.isfinite().all(-1) | ~(probs.sum(-1) > 0)).tolist()  # [N]
+        # Inverse-CDF draws: one uniform number per row from the row's own (CPU) generator,
+        # so a seeded row draws the same alone or in any batch, on any device; the search
+        # is one batched op (a zero-probability token is never found: its CDF step is empty).
+        uniform = torch.tensor([float(torch.rand(1, generator=metadata.generators[i],
+                                                 dtype=torch.float64)) for i in drawn],
+                               dtype=torch.float64, device=probs.device)  # [N]
+        cdf = probs.double().cumsum(-1)  # [N, V]
+        found = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)
+        picks = found[:, 0].clamp(max=vocab - 1).tolist()
         for row, i in enumerate(drawn):
-            if i in failed_rows or bool(bad[row]):
+            if i in failed_rows or bad[row]:
                 failed_rows.add(i)
-                continue
-            generator = metadata.generators[i]
-            token_ids[i] = int(torch.multinomial(probs[row], 1, generator=generator).item())
+            else:
+                token_ids[i] = picks[row]
         if probs_out is not None:
-            probs_out[index] = probs
+            probs_out[index] = probs.cpu()
     logprobs = _logprobs(raw, metadata, token_ids, failed_rows)
     return SamplerOutput(token_ids, logprobs, probs_out, tuple(sorted(failed_rows)))
 
 
 def _probabilities(logits: torch.Tensor, metadata: SamplingMetadata,
                    index: torch.Tensor) -> torch.Tensor:
-    """``[N, V]`` logits of the drawn rows ``index`` -> their final probabilities."""
+    """``[N, V]`` logits of the drawn rows ``index`` (on the logits' device) -> their final
+    probabilities."""
     vocab = logits.shape[-1]
-    scaled = logits / metadata.temperature[index, None]
-    top_k = metadata.top_k[index]
+    scaled = logits / metadata.temperature.to(index.device)[index, None]
+    top_k = metadata.top_k.to(index.device)[index]
     cut_k = (top_k > 0) & (top_k < vocab)  # [N]
     if bool(cut_k.any()):
-        # The k-th largest value of each row; ties with it stay, as topk's cut would keep them.
-        kth = scaled.sort(dim=-1, descending=True).values.gather(
-            1, (top_k.clamp(1, vocab) - 1)[:, None])  # [N, 1]
+        # The k-th largest value of each row (topk of the largest k asked, not a sort of the
+        # vocabulary); ties with it stay, as topk's cut would keep them.
+        k_max = int(top_k[cut_k].max())
+        kth = scaled.topk(k_max, dim=-1).values.gather(
+            1, (top_k.clamp(1, k_max) - 1)[:, None])  # [N, 1]
         scaled = scaled.masked_fill(cut_k[:, None] & (scaled < kth), float("-inf"))
-    top_p = metadata.top_p[index]
+    top_p = metadata.top_p.to(index.device)[index]
     cut_p = top_p < 1.0  # [N]
     if bool(cut_p.any()):
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        # Drop a token when the tokens before it already reach top_p (the first always stays).
-        drop = (sorted_probs.cumsum(-1) - sorted_probs >= top_p[:, None]) & cut_p[:, None]
-        scaled = scaled.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        rows = cut_p.nonzero().flatten()
+        scaled = scaled.clone()
+        scaled[rows] = _top_p_cut(scaled[rows], top_p[rows])
     probs = scaled.softmax(-1)
     if metadata.min_p is not None:
-        min_p = metadata.min_p[index]
+        min_p = metadata.min_p.to(index.device)[index]
         floor = min_p[:, None] * probs.amax(-1, keepdim=True)
         probs = probs.masked_fill(probs < floor, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+# Top-p looks for its cut among each row's most likely tokens first: a sort of the whole
+# vocabulary costs tens of times more, and only rows whose nucleus is not inside them need it.
+TOP_P_CANDIDATES = 1024
+
+
+def _top_p_cut(scaled: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """``[M, V]`` logits -> the same with every token outside the row's nucleus at -inf: a
+    token stays while the tokens more likely than it hold less than ``top_p`` (the first
+    always stays)."""
+    probs = scaled.softmax(-1)  # [M, V]
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    cand_p, cand_ids = probs.topk(min(TOP_P_CANDIDATES, probs.shape[-1]), dim=-1)  # [M, C]
+    before = cand_p.cumsum(-1) - cand_p
+    # When the candidates hold top_p, every other token has at least that much before it.
+    inside = cand_p.sum(-1) >= top_p  # [M]
+    if bool(inside.any()):
+        keep[inside] = keep[inside].scatter(1, cand_ids[inside],
+                                            before[inside] < top_p[inside, None])
+    if not bool(inside.all()):
+        outside = ~inside
+        sorted_p, order = probs[outside].sort(dim=-1, descending=True)
+        keep[outside] = keep[outside].scatter(
+            1, order, sorted_p.cumsum(-1) - sorted_p < top_p[outside, None])
+    return scaled.masked_fill(~keep, float("-inf"))
 
 
 def _logprobs(logits: torch.Tensor, metadata: SamplingMetadata, token_ids: list[int],

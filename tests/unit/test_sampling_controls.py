@@ -143,7 +143,11 @@ def _reference_row(logits: torch.Tensor, req: Request, eos: tuple[int, ...]
     if p.min_p > 0:
         probs[probs < p.min_p * probs.max()] = 0.0
         probs = probs / probs.sum()
-    return int(torch.multinomial(probs, 1, generator=req.generator).item()), probs
+    # Inverse CDF on one uniform number of the row's generator, as the sampler draws.
+    u = float(torch.rand(1, generator=req.generator, dtype=torch.float64))
+    cdf = probs.double().cumsum(-1)
+    return int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])],
+                                                   dtype=torch.float64), right=True)), probs
 
 
 def _random_params(rng: random.Random) -> dict:
