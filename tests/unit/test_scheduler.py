@@ -206,3 +206,18 @@ def test_forked_sequences_copy_the_shared_page_once_each_and_preempt_alone():
         sched.finish(req, RequestStatus.FINISHED_LENGTH)
     sched.finish(children[1], RequestStatus.FINISHED_ABORTED)
     assert pager.num_free == 9 and pager.stats().num_kv == 0
+
+
+def test_forked_sequences_are_charged_their_outputs_not_the_prompt_again():
+    sched = Scheduler(SchedulerConfig(page_size=4, scheduling="vtc"), Pager(16))
+    assert sched.vtc is not None
+    parent = make_request("p", 6, 10)
+    children = [make_request(f"c{i}", 6, 10) for i in range(2)]
+    sched.add(parent)
+    fake_step(sched)
+    assert sched.vtc.counters["default"] == 6  # the prompt, once (input weight 1)
+    for c in children:
+        c.output_token_ids.append(1)
+    sched.fork(parent, children)
+    fake_step(sched)  # three decodes of one token each (output weight 2)
+    assert sched.vtc.counters["default"] == 6 + 3 * 2
