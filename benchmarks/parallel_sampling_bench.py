@@ -145,7 +145,8 @@ def sampler_cost(args: argparse.Namespace, model: Path) -> dict:
         if decode:
             steps.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            meta = SamplingMetadata.from_requests(running, vocab, engine.eos_token_ids)
+            meta = SamplingMetadata.from_requests(running, vocab, engine.eos_token_ids,
+                                                  engine.device)
             out = sample(logits, meta)
             if engine.device.type == "cuda":
                 torch.cuda.synchronize()

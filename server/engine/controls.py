@@ -22,8 +22,11 @@ if TYPE_CHECKING:
 
 
 def build_controls(requests: Sequence[Request], vocab_size: int | None,
-                   eos_token_ids: tuple[int, ...]) -> dict[str, torch.Tensor | None]:
-    """``SamplingMetadata``'s control fields for one row per request (CPU tensors).
+                   eos_token_ids: tuple[int, ...], device: torch.device | None = None
+                   ) -> dict[str, torch.Tensor | None]:
+    """``SamplingMetadata``'s control fields for one row per request. The ``[R, V]`` tables
+    are made on ``device`` (default CPU) from small index tensors: only the token ids cross
+    to the device, never a table.
 
     Raises:
         ValueError: a row needs ``[R, V]`` tensors and ``vocab_size`` is None.
@@ -42,12 +45,13 @@ def build_controls(requests: Sequence[Request], vocab_size: int | None,
         raise ValueError("vocab_size: needed for penalties, logit_bias and min_tokens")
     vocab = vocab_size
     num_rows = len(requests)
+    dev = device or torch.device("cpu")
     if repetition:
         out["repetition_penalty"] = torch.tensor([p.repetition_penalty for p in params],
                                                  dtype=torch.float32)
         out["seen_tokens"] = token_counts(
             [r.all_token_ids if r.params.repetition_penalty != 1.0 else [] for r in requests],
-            vocab) > 0  # [R, V]
+            vocab, dev) > 0  # [R, V]
     if counted:
         out["frequency_penalty"] = torch.tensor([p.frequency_penalty for p in params],
                                                 dtype=torch.float32)
@@ -55,30 +59,38 @@ def build_controls(requests: Sequence[Request], vocab_size: int | None,
                                                dtype=torch.float32)
         out["output_token_counts"] = token_counts(
             [r.output_token_ids if r.params.frequency_penalty or r.params.presence_penalty
-             else [] for r in requests], vocab)  # [R, V]
+             else [] for r in requests], vocab, dev)  # [R, V]
     if biased:
         rows = [i for i, p in enumerate(params) for _ in p.logit_bias]
         tokens = [t for p in params for t, _ in p.logit_bias]
         values = [b for p in params for _, b in p.logit_bias]
-        bias = torch.zeros(num_rows, vocab, dtype=torch.float32)  # [R, V]
-        bias[rows, tokens] = torch.tensor(values, dtype=torch.float32)
+        bias = torch.zeros(num_rows, vocab, dtype=torch.float32, device=dev)  # [R, V]
+        bias[torch.tensor(rows, device=dev), torch.tensor(tokens, device=dev)] = torch.tensor(
+            values, dtype=torch.float32, device=dev)
         out["logit_bias"] = bias
     if blocked:
-        mask = torch.zeros(num_rows, vocab, dtype=torch.bool)  # [R, V]
+        rows, tokens = [], []
         for i in blocked:
             p = params[i]
-            stops = p.stop_token_ids + (() if p.ignore_eos else eos_token_ids)
-            mask[i, [t for t in stops if t < vocab]] = True
+            stops = [t for t in p.stop_token_ids + (() if p.ignore_eos else eos_token_ids)
+                     if t < vocab]
+            rows.extend([i] * len(stops))
+            tokens.extend(stops)
+        mask = torch.zeros(num_rows, vocab, dtype=torch.bool, device=dev)  # [R, V]
+        mask[torch.tensor(rows, dtype=torch.long, device=dev),
+             torch.tensor(tokens, dtype=torch.long, device=dev)] = True
         out["blocked_tokens"] = mask
     return out
 
 
-def token_counts(token_lists: Sequence[Sequence[int]], vocab: int) -> torch.Tensor:
-    """``[R, V]`` float32: how many times each row's list holds each token id."""
+def token_counts(token_lists: Sequence[Sequence[int]], vocab: int,
+                 device: torch.device | None = None) -> torch.Tensor:
+    """``[R, V]`` float32 on ``device``: how many times each row's list holds each token."""
     num_rows = len(token_lists)
-    flat = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64)
-    rows = torch.repeat_interleave(torch.arange(num_rows),
-                                   torch.tensor([len(t) for t in token_lists]))
+    flat = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64,
+                        device=device)
+    rows = torch.repeat_interleave(torch.arange(num_rows, device=device),
+                                   torch.tensor([len(t) for t in token_lists], device=device))
     counts = torch.bincount(rows * vocab + flat, minlength=num_rows * vocab)
     return counts.view(num_rows, vocab).to(torch.float32)
 

@@ -297,7 +297,7 @@ class Engine:
             return outputs
         try:
             metadata = SamplingMetadata.from_requests(sampling, self.model_config.vocab_size,
-                                                      self.eos_token_ids)
+                                                      self.eos_token_ids, run.logits.device)
             result = sample(run.logits[rows], metadata)
         except Exception as exc:  # a bug in the sampler: this batch's sampling requests fail
             logger.exception("sampling failed")

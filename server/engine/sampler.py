@@ -86,7 +86,8 @@ class SamplingMetadata:
 
     @classmethod
     def from_requests(cls, requests: Sequence[Request], vocab_size: int | None = None,
-                      eos_token_ids: Iterable[int] = ()) -> SamplingMetadata:
+                      eos_token_ids: Iterable[int] = (), device: torch.device | None = None
+                      ) -> SamplingMetadata:
         """One row per request, from each request's ``SamplingParams`` (CPU tensors).
 
         Args:
@@ -94,12 +95,13 @@ class SamplingMetadata:
             vocab_size: ``V``; needed when a row asks for penalties, a logit bias or min
                 tokens (the ``[R, V]`` tensors), else unused.
             eos_token_ids: the model's end-of-sequence tokens, masked by ``min_tokens``.
+            device: where the ``[R, V]`` tables are made (the logits' device; default CPU).
         Raises:
             ValueError: a row needs ``[R, V]`` tensors and ``vocab_size`` is None.
         """
         params = [r.params for r in requests]
         greedy = [p.greedy for p in params]
-        fields = build_controls(requests, vocab_size, tuple(eos_token_ids))
+        fields = build_controls(requests, vocab_size, tuple(eos_token_ids), device)
         return cls(
             requests=tuple(requests),
             row_requests=tuple(range(len(requests))),
