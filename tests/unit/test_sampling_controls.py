@@ -228,3 +228,24 @@ def test_a_batch_asking_for_no_control_builds_no_vocab_tensors():
     assert meta.output_token_counts is None and meta.blocked_tokens is None
     with pytest.raises(ValueError, match="^vocab_size:"):
         SamplingMetadata.from_requests([_request(0, [1], [], logit_bias={1: 1.0})])
+
+
+def test_top_p_beyond_the_candidates_falls_back_to_the_whole_row():
+    # A flat row over 5000 tokens: its 0.9 nucleus holds ~4500 tokens, far past the 1024
+    # candidates; a peaked row's nucleus lies inside them. Both cut as a full sort would.
+    vocab = 5000
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.stack([torch.randn(vocab, generator=gen) * 0.1,
+                          torch.randn(vocab, generator=gen) * 8.0])
+    requests = [Request(f"t{i}", [1], SamplingParams(temperature=1.0, top_p=0.9),
+                        generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    meta = dataclasses.replace(SamplingMetadata.from_requests(requests), return_probs=True)
+    probs = sample(logits, meta).probs
+    assert probs is not None
+    for row in range(2):
+        full = logits[row].softmax(-1)
+        sorted_p, order = full.sort(descending=True)
+        keep = torch.zeros(vocab, dtype=torch.bool)
+        keep[order] = sorted_p.cumsum(-1) - sorted_p < 0.9
+        assert torch.equal(probs[row] > 0, keep)
+    assert int((probs[0] > 0).sum()) > 1024 > int((probs[1] > 0).sum())
