@@ -115,9 +115,12 @@ class GenerateChunk:
     finish_reason: str | None = None  # "stop" | "length" on the last chunk
     usage: Usage | None = None
     timing: Timing | None = None
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # with the first token
+    index: int = 0  # which of the request's n sequences
 
     @property
     def finished(self) -> bool:
+        """This chunk ends its sequence (with n > 1, the stream ends after all n)."""
         return self.finish_reason is not None
 
 
@@ -132,12 +135,14 @@ class Completion:
     finish_reason: str | None = None
     usage: Usage = field(default_factory=Usage)
     timing: Timing = field(default_factory=Timing)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def add(self, chunk: GenerateChunk) -> None:
         """Append a chunk of the same request."""
         self.token_ids.extend(chunk.token_ids)
         self.text += chunk.text
         self.logprobs.extend(chunk.logprobs)
+        self.prompt_logprobs.extend(chunk.prompt_logprobs)
         if chunk.finish_reason is not None:
             self.finish_reason = chunk.finish_reason
         if chunk.usage is not None:

@@ -83,6 +83,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--top-k", type=int, default=0)
     generate.add_argument("--seed", type=int, default=None)
+    generate.add_argument("--min-tokens", type=int, default=0)
+    generate.add_argument("--min-p", type=float, default=0.0)
+    generate.add_argument("--presence-penalty", type=float, default=0.0)
+    generate.add_argument("--frequency-penalty", type=float, default=0.0)
+    generate.add_argument("--repetition-penalty", type=float, default=1.0)
+    generate.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN=BIAS",
+                          help="add BIAS to token id TOKEN's logit (repeatable)")
     generate.add_argument("--stop", action="append", default=[], help="a stop string "
                           "(repeatable)")
     generate.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
@@ -146,6 +153,19 @@ def _run_async(command: str) -> Callable[[argparse.Namespace], int]:
 
 
 # -- clients --------------------------------------------------------------------------------------
+def _logit_bias(items: list[str]) -> dict[int, float]:
+    bias = {}
+    for item in items:
+        token, sep, value = item.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise ValueError(f"--logit-bias: expected TOKEN=BIAS, got {item!r}") from None
+        if not sep:
+            raise ValueError(f"--logit-bias: expected TOKEN=BIAS, got {item!r}")
+    return bias
+
+
 def _generate(args: argparse.Namespace) -> int:
     import grpc
 
@@ -168,10 +188,14 @@ def _generate(args: argparse.Namespace) -> int:
     with client:
         try:
             last = None
+            bias = _logit_bias(args.logit_bias)
             for chunk in client.generate_stream(
                     adapter=args.adapter, max_tokens=args.max_tokens,
                     temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                    seed=args.seed, stop=tuple(args.stop), **prompt):
+                    seed=args.seed, stop=tuple(args.stop), min_tokens=args.min_tokens,
+                    min_p=args.min_p, presence_penalty=args.presence_penalty,
+                    frequency_penalty=args.frequency_penalty,
+                    repetition_penalty=args.repetition_penalty, logit_bias=bias, **prompt):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 last = chunk
@@ -182,6 +206,9 @@ def _generate(args: argparse.Namespace) -> int:
                        "LORAPLEX_API_KEY)"
             print(f"\nloraplex generate: {exc.code.name}: {exc.message}{hint}",
                   file=sys.stderr)
+            return 1
+        except ValueError as exc:  # a parameter out of bounds, refused before sending
+            print(f"loraplex generate: {exc}", file=sys.stderr)
             return 1
     print()
     if last is not None and last.usage is not None and last.timing is not None:

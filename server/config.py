@@ -237,6 +237,8 @@ class GatewayConfig:
     max_prompt_tokens: int = setting(1 << 17, "the most prompt token ids", unit="tokens")
     max_tokens_limit: int = setting(32768, "the largest max_tokens a request may ask for",
                                     unit="tokens")
+    max_n: int = setting(16, "the most sequences (n) one streamed request may sample from its "
+                         "prompt (at most 64)")
     max_upload_bytes: int = setting(2 << 30, "the largest uploaded adapter weights file",
                                     unit="bytes")
     max_rank: int = setting(64, "the largest adapter rank accepted for upload")
@@ -277,6 +279,8 @@ class GatewayConfig:
                      "max_upload_bytes", "max_rank", "chat_default_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
+        if not 1 <= self.max_n <= 64:
+            raise ValueError(f"max_n: must be in [1, 64], got {self.max_n}")
         for name in ("tenant_max_concurrency", "tenant_tokens_per_minute"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0 (0: unlimited)")

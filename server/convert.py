@@ -82,17 +82,32 @@ def sampling_params_from_pb(m: generation_pb2.SamplingParams) -> SamplingParams:
         top_p=m.top_p if m.HasField("top_p") else _DEFAULT_PARAMS.top_p,
         seed=m.seed if m.HasField("seed") else None,
         stop_token_ids=tuple(m.stop_token_ids), stop=tuple(m.stop), ignore_eos=m.ignore_eos,
-        logprobs=m.logprobs if m.HasField("logprobs") else None)
+        logprobs=m.logprobs if m.HasField("logprobs") else None,
+        min_tokens=m.min_tokens, presence_penalty=m.presence_penalty,
+        frequency_penalty=m.frequency_penalty,
+        repetition_penalty=(m.repetition_penalty if m.HasField("repetition_penalty")
+                            else _DEFAULT_PARAMS.repetition_penalty),
+        logit_bias=tuple(sorted(m.logit_bias.items())), min_p=m.min_p,
+        prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
+        n=m.n if m.HasField("n") else _DEFAULT_PARAMS.n)
 
 
 def sampling_params_to_pb(p: SamplingParams) -> generation_pb2.SamplingParams:
     m = generation_pb2.SamplingParams(
         max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-        stop_token_ids=list(p.stop_token_ids), stop=list(p.stop), ignore_eos=p.ignore_eos)
+        stop_token_ids=list(p.stop_token_ids), stop=list(p.stop), ignore_eos=p.ignore_eos,
+        min_tokens=p.min_tokens, presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty, logit_bias=dict(p.logit_bias), min_p=p.min_p)
+    if p.repetition_penalty != _DEFAULT_PARAMS.repetition_penalty:
+        m.repetition_penalty = p.repetition_penalty
     if p.seed is not None:
         m.seed = p.seed
     if p.logprobs is not None:
         m.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        m.prompt_logprobs = p.prompt_logprobs
+    if p.n != _DEFAULT_PARAMS.n:
+        m.n = p.n
     return m
 
 
@@ -163,7 +178,9 @@ def _finish_from_pb(value: int) -> str | None:
 
 def chunk_to_pb(c: GenerateChunk) -> generation_pb2.GenerateChunk:
     m = generation_pb2.GenerateChunk(request_id=c.request_id, token_ids=c.token_ids, text=c.text,
-                                     logprobs=_logprobs_to_pb(c.logprobs))
+                                     logprobs=_logprobs_to_pb(c.logprobs),
+                                     prompt_logprobs=_logprobs_to_pb(c.prompt_logprobs),
+                                     index=c.index)
     if c.finish_reason is not None:
         m.finish_reason = _FINISH_TO_PB[c.finish_reason]
     if c.usage is not None:
@@ -177,6 +194,7 @@ def chunk_from_pb(m: generation_pb2.GenerateChunk) -> GenerateChunk:
     return GenerateChunk(
         request_id=m.request_id, token_ids=list(m.token_ids), text=m.text,
         logprobs=_logprobs_from_pb(m.logprobs), finish_reason=_finish_from_pb(m.finish_reason),
+        prompt_logprobs=_logprobs_from_pb(m.prompt_logprobs), index=m.index,
         usage=_usage_from_pb(m.usage) if m.HasField("usage") else None,
         timing=_timing_from_pb(m.timing) if m.HasField("timing") else None)
 
@@ -185,7 +203,7 @@ def completion_to_pb(c: Completion) -> generation_pb2.GenerateResponse:
     m = generation_pb2.GenerateResponse(
         request_id=c.request_id, token_ids=c.token_ids, text=c.text,
         logprobs=_logprobs_to_pb(c.logprobs), usage=_usage_to_pb(c.usage),
-        timing=_timing_to_pb(c.timing))
+        timing=_timing_to_pb(c.timing), prompt_logprobs=_logprobs_to_pb(c.prompt_logprobs))
     if c.finish_reason is not None:
         m.finish_reason = _FINISH_TO_PB[c.finish_reason]
     return m
@@ -194,6 +212,7 @@ def completion_to_pb(c: Completion) -> generation_pb2.GenerateResponse:
 def completion_from_pb(m: generation_pb2.GenerateResponse) -> Completion:
     return Completion(request_id=m.request_id, token_ids=list(m.token_ids), text=m.text,
                       logprobs=_logprobs_from_pb(m.logprobs),
+                      prompt_logprobs=_logprobs_from_pb(m.prompt_logprobs),
                       finish_reason=_finish_from_pb(m.finish_reason),
                       usage=_usage_from_pb(m.usage), timing=_timing_from_pb(m.timing))
 

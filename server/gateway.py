@@ -90,7 +90,8 @@ BROKEN_STREAM = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
 
 def check_bounds(request: GenerateRequest, config: GatewayConfig) -> None:
     """Refuse a request whose fields are out of bounds (what needs no tokenizer; the engine's
-    ``SamplingParams`` already bounds stop strings and logprobs).
+    ``SamplingParams``, built from the message, already bounds stop strings, logprobs and
+    the sampling controls; unknown token ids in ``logit_bias`` are the worker's to refuse).
 
     Raises:
         ServiceError: INVALID_ARGUMENT naming the field.
@@ -120,6 +121,8 @@ def check_bounds(request: GenerateRequest, config: GatewayConfig) -> None:
     if params.max_tokens > config.max_tokens_limit:
         raise bad(f"max_tokens: {params.max_tokens}, over the limit of "
                   f"{config.max_tokens_limit}")
+    if params.n > config.max_n:
+        raise bad(f"n: {params.n}, over the limit of {config.max_n}")
     if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise bad(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}")
     if len(request.request_id) > MAX_REQUEST_ID_CHARS or not request.request_id.isprintable():
@@ -168,7 +171,15 @@ class GenerationService:
         StreamTimer(self.metrics).finish(tenant, error.code.name, _cause(error))
 
     async def generate(self, request: GenerateRequest, context: CallContext) -> Completion:
-        """The whole completion (the stream, gathered)."""
+        """The whole completion (the stream, gathered).
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT for ``n > 1`` (a response holds one sequence).
+        """
+        if request.params.n > 1:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                               "n: n > 1 needs GenerateStream (each chunk names its sequence's "
+                               "index); Generate returns one sequence")
         result = Completion(request_id=request.request_id)
         async with contextlib.aclosing(self.generate_stream(request, context)) as chunks:
             async for chunk in chunks:
@@ -276,7 +287,7 @@ class GenerationService:
                     async for chunk in stream:
                         sent = True
                         timer.tokens(len(chunk.token_ids))
-                        if chunk.finished:
+                        if chunk.timing is not None:  # the stream's last chunk
                             queued = chunk.timing.queue_seconds if chunk.timing else 0.0
                             chunk = replace(chunk, timing=Timing(
                                 queued, timer.ttft, time.monotonic() - timer.start))

@@ -18,6 +18,11 @@ MAX_LOGPROBS = 20
 # finite fp16/bf16/fp32 activations give a working model, while 1e-300 turns any logit into
 # inf; below 1e-2 sampling is greedy in effect anyway (vLLM clamps at the same bound).
 MIN_TEMPERATURE = 1e-2
+MAX_LOGIT_BIAS_TOKENS = 300  # OpenAI's bounds for logit_bias: 300 tokens, biases in [-100, 100]
+MAX_LOGIT_BIAS = 100.0
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty in [-2, 2], as OpenAI bounds them
+MAX_REPETITION_PENALTY = 10.0
+MAX_N = 64  # parallel samples of one request, at most (the gateway's max_n may bound lower)
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,24 @@ class SamplingParams:
         stop: strings that end generation; removed from the text, matched across tokens.
         ignore_eos: keep generating past the model's end-of-sequence token.
         logprobs: None for no logprobs; n >= 0 returns the chosen token's logprob and the top n.
+        min_tokens: EOS and the stop tokens are masked until this many tokens are generated
+            (stop strings are matched only from then on, too).
+        presence_penalty: subtracted once from the logit of every token already generated
+            (OpenAI's definition), in [-2, 2].
+        frequency_penalty: subtracted from a token's logit once per time it was generated,
+            in [-2, 2].
+        repetition_penalty: transformers' definition over prompt and output tokens: a seen
+            token's logit is divided by it when positive, multiplied when negative; 1 disables.
+        logit_bias: ``(token_id, bias)`` pairs (a dict is accepted) added to the logits;
+            at most ``MAX_LOGIT_BIAS_TOKENS``, biases in [-100, 100]. The engine refuses ids
+            outside the vocabulary.
+        min_p: drop tokens whose probability is below ``min_p`` times the most likely
+            token's (after temperature, top-k and top-p); 0 disables.
+        n: sequences to sample from the one prompt (1..``MAX_N``): n children of one request
+            that share the prompt's KV pages; child ``i`` draws with ``seed + i`` when seeded.
+        prompt_logprobs: None for none; n >= 0 returns, for each prompt token after the
+            first, its logprob given the tokens before it and the top n (computed during
+            prefill; such a request reuses no cached prefix it has not computed itself).
     """
 
     max_tokens: int = 16
@@ -47,10 +70,24 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
+    prompt_logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(self.stop))
+        bias = self.logit_bias
+        try:
+            pairs = tuple((t, b) for t, b in (bias.items() if isinstance(bias, dict) else bias))
+        except (TypeError, ValueError):
+            raise ValueError("logit_bias: must map token ids to biases") from None
+        object.__setattr__(self, "logit_bias", pairs)
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -77,6 +114,49 @@ class SamplingParams:
                                  f"characters, got {shown}")
         if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        self._check_controls()
+
+    def _check_controls(self) -> None:
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens: must be an integer in [0, max_tokens "
+                             f"{self.max_tokens}], got {self.min_tokens!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and -MAX_PENALTY <= value <= MAX_PENALTY):
+                raise ValueError(f"{name}: must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], "
+                                 f"got {value!r}")
+        rp = self.repetition_penalty
+        if not (isinstance(rp, (int, float)) and 0 < rp <= MAX_REPETITION_PENALTY):
+            raise ValueError(f"repetition_penalty: must be in (0, {MAX_REPETITION_PENALTY:g}] "
+                             f"(1 disables), got {rp!r}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n: must be an integer in [1, {MAX_N}], got {self.n!r}")
+        plp = self.prompt_logprobs
+        if plp is not None and not (isinstance(plp, int) and 0 <= plp <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs: must be in [0, {MAX_LOGPROBS}], got "
+                             f"{self.prompt_logprobs!r}")
+        if not (isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS_TOKENS} tokens, got "
+                             f"{len(self.logit_bias)}")
+        seen: set[int] = set()
+        for token, value in self.logit_bias:
+            if not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias: token ids must be non-negative integers, got "
+                                 f"{token!r}")
+            if token in seen:
+                raise ValueError(f"logit_bias: token {token} appears twice")
+            seen.add(token)
+            if not (isinstance(value, (int, float)) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+                raise ValueError(f"logit_bias: the bias of token {token} must be in "
+                                 f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value!r}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any of the three penalties is on."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:

@@ -171,12 +171,15 @@ class Quotas:
         if limits.unlimited:
             return None
         prompt_bound = prompt_tokens_bound(request.prompt)
-        cost = prompt_bound + request.params.max_tokens if limits.tokens_per_minute else 0
+        # The n sequences of one request are one request: one slot, all their tokens.
+        cost = (prompt_bound + request.params.max_tokens * request.params.n
+                if limits.tokens_per_minute else 0)
         tpm = limits.tokens_per_minute
         if tpm and cost > tpm:
             self._on_refusal(tenant, "tokens_per_minute")
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, (
-                f"tokens_per_minute: this request may use {cost} tokens (prompt + max_tokens), "
+                f"tokens_per_minute: this request may use {cost} tokens (prompt + n * "
+                f"max_tokens), "
                 f"more than the {tpm} tokens per minute tenant {tenant!r} may use; lower "
                 "max_tokens or shorten the prompt"))
         lease = f"{self._gateway_id}:{uuid.uuid4().hex}"

@@ -118,15 +118,22 @@ class WorkerService:
         self._active[rid] = req
         self._idle.clear()
         code, cause, finished = "CANCELLED", "cancelled", False
+        num_left = request.params.n  # sequences still running: the stream ends after all
+        num_output_tokens = 0
         try:
             while True:
                 out = await queue.get()
                 timer.tokens(len(out.new_token_ids))
                 if not out.finished:
                     yield GenerateChunk(rid, list(out.new_token_ids), out.new_text,
-                                        list(out.logprobs))
+                                        list(out.logprobs),
+                                        prompt_logprobs=list(out.prompt_logprobs),
+                                        index=out.index)
                     continue
-                finished = True
+                num_left -= 1
+                num_output_tokens += out.num_output_tokens
+                # One sequence failing fails the request: the finally block aborts the rest.
+                finished = num_left == 0
                 failure = request_failure(out)
                 if failure is not None and self._engine.error is not None:
                     # The engine thread ended: every request fails, none by its own fault.
@@ -136,8 +143,14 @@ class WorkerService:
                 if failure is not None:
                     code, cause = failure.code.name, failure.cause
                     raise failure
+                if num_left:
+                    yield GenerateChunk(rid, list(out.new_token_ids), out.new_text,
+                                        list(out.logprobs), out.finish_reason,
+                                        prompt_logprobs=list(out.prompt_logprobs),
+                                        index=out.index)
+                    continue
                 code, cause = "OK", ""
-                yield self._last_chunk(req, out, timer)
+                yield self._last_chunk(req, out, timer, num_output_tokens)
                 return
         finally:
             del self._active[rid]
@@ -148,16 +161,18 @@ class WorkerService:
             if not self._active:
                 self._idle.set()
 
-    def _last_chunk(self, req: Request, out: RequestOutput, timer: StreamTimer
-                    ) -> GenerateChunk:
+    def _last_chunk(self, req: Request, out: RequestOutput, timer: StreamTimer,
+                    num_output_tokens: int) -> GenerateChunk:
         queue_seconds = 0.0
         if req.first_scheduled_time is not None:
             queue_seconds = req.first_scheduled_time - req.arrival_time
             self.metrics.queue_time.observe(queue_seconds)
         timing = Timing(queue_seconds, timer.ttft, time.monotonic() - timer.start)
-        usage = Usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+        # The prompt and its cache hits once (sequence 0 computed it), every sequence's output.
+        usage = Usage(out.num_prompt_tokens, num_output_tokens, req.num_cached_tokens)
         return GenerateChunk(req.request_id, list(out.new_token_ids), out.new_text,
-                             list(out.logprobs), out.finish_reason, usage, timing)
+                             list(out.logprobs), out.finish_reason, usage, timing,
+                             list(out.prompt_logprobs), out.index)
 
     async def drain(self, grace_seconds: float) -> None:
         """Refuse new requests, let running ones finish for ``grace_seconds``, then abort the

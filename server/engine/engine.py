@@ -114,8 +114,12 @@ class Engine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self._requests: dict[str, Request] = {}
-        self._detok: dict[str, Detokenizer] = {}
+        self._requests: dict[str, list[Request]] = {}  # by the client's id: its n sequences
+        self._detok: dict[str, Detokenizer] = {}  # by each sequence's own id
+        # A prompt's sequences 1..n-1, by its sequence 0's id, until it has prefilled the
+        # prompt once: they then fork off it, on its pages (``Scheduler.fork``).
+        self._unforked: dict[str, list[Request]] = {}
+        self._orphans: list[RequestOutput] = []  # sequences ended with their unforked parent
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         # Without an operator's seed, from the OS: replicas and restarts must not repeat the
         # same "random" draws for unseeded requests.
@@ -186,6 +190,10 @@ class Engine:
         ``prompt`` is text, token ids, or chat messages, which the model's chat template
         renders (ending with the assistant's turn); a chat request also stops at the
         template's end-of-turn token unless ``ignore_eos`` is set.
+
+        With ``params.n > 1`` the request is n sequences (``Request``s of one group whose
+        outputs carry ``request_id`` and their ``index``): the first prefills the prompt, the
+        others fork off it when it samples its first token. Returns the first.
         """
         params = params or SamplingParams()
         if not request_id:
@@ -200,6 +208,10 @@ class Engine:
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
+        unknown = sorted(t for t, _ in params.logit_bias if t >= vocab)
+        if unknown:
+            raise ValueError(f"logit_bias: token ids {unknown[:5]} are not in the vocabulary "
+                             f"[0, {vocab})")
         total = len(token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(f"prompt: {len(token_ids)} prompt tokens + max_tokens "
@@ -210,12 +222,25 @@ class Engine:
         seed = params.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
-        req = Request(request_id, token_ids, params, adapter_digest=adapter_digest,
-                      tenant=tenant, generator=torch.Generator().manual_seed(seed))
-        self._requests[request_id] = req
-        self._detok[request_id] = Detokenizer(self.tokenizer, req)
-        self._inbox.put(("add", req))
-        return req
+        group = []
+        for i in range(params.n):
+            # A NUL never appears in a client's id (the gateway takes printable ones only).
+            child_id = request_id if params.n == 1 else f"{request_id}\x00{i}"
+            group.append(Request(child_id, list(token_ids), params,
+                                 adapter_digest=adapter_digest, tenant=tenant,
+                                 generator=torch.Generator().manual_seed((seed + i) % 2**63),
+                                 group_id=request_id if params.n > 1 else "", index=i))
+        for req in group:
+            self._detok[req.request_id] = Detokenizer(self.tokenizer, req)
+        if params.n > 1:
+            self._unforked[group[0].request_id] = group[1:]
+        self._requests[request_id] = group
+        self._inbox.put(("add", group[0]))
+        return group[0]
+
+    def sequences(self, request_id: str) -> tuple[Request, ...]:
+        """The n sequences of an unfinished request (empty once all have finished)."""
+        return tuple(self._requests.get(request_id, ()))
 
     def _encode(self, prompt: str | list[int] | ChatMessages, params: SamplingParams
                 ) -> tuple[list[int], SamplingParams]:
@@ -259,13 +284,20 @@ class Engine:
                 if item.adapter_digest is not None and self.adapters is not None:
                     self.adapters.prefetch(item.adapter_digest)
             elif kind == "abort":
-                req = self._requests.get(str(item))
-                if req is not None and not req.finished:
-                    outputs.append(self._finish(req, RequestStatus.FINISHED_ABORTED, ""))
+                for req in self._requests.get(str(item), []):
+                    if not req.finished:
+                        outputs.append(self._finish(req, RequestStatus.FINISHED_ABORTED, ""))
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one iteration: schedule, run the model, sample, and report progress."""
+        outputs = self._step()
+        if self._orphans:
+            outputs.extend(self._orphans)
+            self._orphans = []
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         outputs = self._drain_inbox()
         if self.adapters is not None:
             outputs.extend(self._fail_unloadable())
@@ -284,17 +316,31 @@ class Engine:
                 outputs.append(self._finish(req, RequestStatus.FINISHED_ERROR, ""))
             return outputs
         # From here on a failure is one request's: it fails that request, never the step.
+        for req, entries in run.prompt_logprobs:
+            req.prompt_logprobs.extend(entries)
         for req, n in zip(batch.requests, batch.num_new_tokens):
             try:
                 self._advance(req, n, now)
             except Exception as exc:
                 outputs.append(self._fail(req, f"internal error after the model step: {exc}"))
-        rows = [i for i, r in enumerate(run.sampling_requests) if not r.finished]
+        rows: list[int] = []  # a logits row per sequence: a forking prompt's row n times
+        sampling: list[Request] = []
+        for i, req in enumerate(run.sampling_requests):
+            if req.finished:
+                continue
+            rows.append(i)
+            sampling.append(req)
+            children = self._unforked.pop(req.request_id, None)
+            if children:
+                self.scheduler.fork(req, children)
+                rows.extend([i] * len(children))
+                sampling.extend(children)
         if not rows:
             return outputs
-        sampling = [run.sampling_requests[i] for i in rows]
         try:
-            result = sample(run.logits[rows], SamplingMetadata.from_requests(sampling))
+            metadata = SamplingMetadata.from_requests(sampling, self.model_config.vocab_size,
+                                                      self.eos_token_ids, run.logits.device)
+            result = sample(run.logits[rows], metadata)
         except Exception as exc:  # a bug in the sampler: this batch's sampling requests fail
             logger.exception("sampling failed")
             for req in sampling:
@@ -347,12 +393,18 @@ class Engine:
         text, stopped = detok.add(token, finished=status is not None)
         if stopped:
             status = RequestStatus.FINISHED_STOPPED
+        # The prompt's logprobs are all known once its first token is out: they ride with the
+        # first token of sequence 0 (its siblings forked off it with the prompt computed).
+        prompt_lps = req.prompt_logprobs if req.num_output_tokens == 1 else []
         if status is None:
-            return RequestOutput(req.request_id, [token], text, False,
+            return RequestOutput(req.output_id, [token], text, False, index=req.index,
                                  logprobs=[lp] if lp is not None else [],
+                                 prompt_logprobs=list(prompt_lps),
                                  num_prompt_tokens=req.num_prompt_tokens,
                                  num_output_tokens=req.num_output_tokens)
-        return self._finish(req, status, text, [token], [lp] if lp is not None else [])
+        out = self._finish(req, status, text, [token], [lp] if lp is not None else [])
+        out.prompt_logprobs = list(prompt_lps)
+        return out
 
     def _finish(self, req: Request, status: RequestStatus, text: str,
                 new_token_ids: list[int] | None = None,
@@ -364,8 +416,14 @@ class Engine:
             text = ""
         elif detok is not None and status is not RequestStatus.FINISHED_STOPPED:
             text += detok.finish()
-        self._requests.pop(req.request_id, None)
-        return RequestOutput(req.request_id, new_token_ids or [], text, True,
+        for child in self._unforked.pop(req.request_id, []):
+            # Sequence 0 ended before its prompt was prefilled: its siblings end with it.
+            child.error = req.error
+            self._orphans.append(self._finish(child, status, ""))
+        group = self._requests.get(req.output_id, [])
+        if all(r.finished for r in group):
+            self._requests.pop(req.output_id, None)
+        return RequestOutput(req.output_id, new_token_ids or [], text, True, index=req.index,
                              finish_reason=status.value, logprobs=logprobs or [],
                              num_prompt_tokens=req.num_prompt_tokens,
                              num_output_tokens=req.num_output_tokens,

@@ -22,6 +22,7 @@ class Completion:
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
     num_preemptions: int = 0
 
@@ -41,7 +42,8 @@ class LLM:
     def generate(self, prompts: Sequence[str | list[int] | ChatMessages],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  adapters: Sequence[str | None] | None = None) -> list[Completion]:
-        """Generate for every prompt; results in prompt order.
+        """Generate for every prompt; results in prompt order (a prompt with ``n > 1`` gives
+        its n completions one after another, by index).
 
         Args:
             prompts: text, token ids, or chat messages (rendered by the chat template).
@@ -55,22 +57,25 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError("sampling_params: need one per prompt")
         adapters = list(adapters) if adapters is not None else [None] * len(prompts)
-        results: dict[str, Completion] = {}
+        results: dict[tuple[str, int], Completion] = {}
         order = []
         for prompt, p, adapter in zip(prompts, params, adapters):
             rid = f"llm-{next(self._ids)}"
-            req = self.engine.add_request(rid, prompt, p, adapter_digest=adapter)
-            results[rid] = Completion(rid, list(req.prompt_token_ids))
-            order.append((rid, req))
+            self.engine.add_request(rid, prompt, p, adapter_digest=adapter)
+            for req in self.engine.sequences(rid):
+                results[rid, req.index] = Completion(rid, list(req.prompt_token_ids))
+                order.append((rid, req))
         while self.engine.has_unfinished():
             for out in self.engine.step():
-                done = results.get(out.request_id)
+                done = results.get((out.request_id, out.index))
                 if done is None:
                     continue
                 done.token_ids.extend(out.new_token_ids)
                 done.text += out.new_text
                 done.logprobs.extend(out.logprobs)
+                done.prompt_logprobs.extend(out.prompt_logprobs)
                 if out.finished:
                     done.finish_reason = out.finish_reason
                     done.error = out.error
-        return [replace(results[rid], num_preemptions=req.num_preemptions) for rid, req in order]
+        return [replace(results[rid, req.index], num_preemptions=req.num_preemptions)
+                for rid, req in order]

@@ -13,13 +13,20 @@ from loraplex.kernels.metadata import AttentionMetadata
 from loraplex.server.engine.adapter_cache import AdapterManager
 from loraplex.server.engine.lora import LoraBatch, lora_ops
 from loraplex.server.engine.models.llama import ForwardContext, LlamaModel
-from loraplex.server.engine.request import Request
+from loraplex.server.engine.request import Request, TokenLogprob
+from loraplex.server.engine.sampler import token_logprobs
 from loraplex.server.engine.scheduler import ScheduledBatch
+
+# Prompt logprobs take logits of every prompt position that asks: computed this many rows at
+# a time, so a long prefill chunk never holds [chunk, vocab] float32 logits at once.
+PROMPT_LOGITS_ROWS = 256
 
 
 class RunOutput(NamedTuple):
     sampling_requests: list[Request]
     logits: torch.Tensor  # [len(sampling_requests), vocab] float32
+    # Per request that asked: the prompt logprobs this step computed, continuing its list.
+    prompt_logprobs: tuple[tuple[Request, list[TokenLogprob]], ...] = ()
 
 
 def attention_kernels(name: str) -> tuple[Callable[..., None], Callable[..., torch.Tensor]]:
@@ -70,10 +77,19 @@ class ModelRunner:
         seq_lens: list[int] = []
         sample_rows: list[int] = []
         sampling: list[Request] = []
+        prompt_rows: list[tuple[Request, int, int, int]] = []  # (request, row, position, rows)
         for req, n in order:
             start = req.num_computed_tokens
             end = start + n
             num_prompt = req.num_prompt_tokens
+            if req.params.prompt_logprobs is not None:
+                # Position p's logits score prompt token p + 1; those scored already (before a
+                # preemption) are not scored again.
+                first = max(start, len(req.prompt_logprobs))
+                last = min(end, num_prompt - 1)
+                if first < last:
+                    prompt_rows.append((req, len(input_ids) + first - start, first,
+                                        last - first))
             if end <= num_prompt:
                 input_ids.extend(req.prompt_token_ids[start:end])
             else:
@@ -85,16 +101,36 @@ class ModelRunner:
                 sampling.append(req)
         meta = AttentionMetadata.build([r.page_ids for r in requests], counts, seq_lens,
                                        self.page_size, self.device)
-        lora = self._lora_batch(requests, counts, adapters)
+        lora = self._lora_batch(requests, counts, adapters)  # waits for the adapter copies
+        if batch.page_copies:
+            # Copy-on-write of shared pages, in every layer at once: all sources are read
+            # before any destination is written, and before this step writes any KV.
+            sources = torch.tensor([s for s, _ in batch.page_copies], device=self.pools.device)
+            targets = torch.tensor([d for _, d in batch.page_copies], device=self.pools.device)
+            self.pools[:, targets] = self.pools[:, sources]
         ctx = ForwardContext(meta, self.pools, self.page_size, self.write_kv, self.attention,
                              lora)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model.forward(ids, pos, ctx)
+        prompt_logprobs = tuple((req, self._prompt_logprobs(hidden, req, row, position, count))
+                                for req, row, position, count in prompt_rows)
         if not sampling:
-            return RunOutput([], hidden.new_empty(0, 0, dtype=torch.float32))
+            return RunOutput([], hidden.new_empty(0, 0, dtype=torch.float32), prompt_logprobs)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        return RunOutput(sampling, self.model.compute_logits(hidden[rows]))
+        return RunOutput(sampling, self.model.compute_logits(hidden[rows]), prompt_logprobs)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, req: Request, row: int, position: int,
+                         count: int) -> list[TokenLogprob]:
+        """Logprobs of prompt tokens ``position + 1 ...``, scored by ``hidden[row:row + count]``
+        (the hidden states of positions ``position ...``)."""
+        out: list[TokenLogprob] = []
+        for at in range(0, count, PROMPT_LOGITS_ROWS):
+            rows = min(PROMPT_LOGITS_ROWS, count - at)
+            logits = self.model.compute_logits(hidden[row + at:row + at + rows])  # [rows, V]
+            targets = req.prompt_token_ids[position + at + 1:position + at + 1 + rows]
+            out.extend(token_logprobs(logits, targets, req.params.prompt_logprobs or 0))
+        return out
 
     def _lora_batch(self, requests: list[Request], counts: list[int],
                     adapters: AdapterManager | None) -> LoraBatch | None:

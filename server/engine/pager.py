@@ -4,7 +4,8 @@ The pager counts pages and records who owns each; it never looks inside one (the
 ``kernels/layout.py``'s business). Two kinds of holder:
 
 * a request's KV pages, allocated and freed by the scheduler (refcounted, so a page can be
-  shared by several requests);
+  shared by several requests: the n sequences of one prompt hold its pages once, and the one
+  that writes a shared page first gets a copy, ``copy_on_write``);
 * *entries*: named groups of pages that outlive the requests using them (an adapter's
   weights by digest, a cached prefix page by hash). An entry is pinned while in use; an
   unpinned entry stays resident, in LRU order, until its pages are needed by anyone else.
@@ -96,11 +97,35 @@ class Pager:
         return pages
 
     def share(self, page_ids: list[int]) -> None:
-        """Add a reference to pages another holder already owns."""
+        """Add a holder to pages another holder already owns (a cached prefix page is pinned
+        once more instead, so that ``free`` stays its exact inverse)."""
         for p in page_ids:
+            key = self._page_entry.get(p)
+            if key is not None:
+                self.pin(key)
+                continue
             if self._refs[p] <= 0:
                 raise ValueError(f"page {p} is free")
             self._refs[p] += 1
+
+    def is_shared(self, page: int) -> bool:
+        """Whether a KV page has holders besides the asking one (writing it needs a copy)."""
+        return self._page_entry.get(page) is None and self._refs[page] > 1
+
+    def copy_on_write(self, page: int) -> int | None:
+        """Make ``page`` writable for one of its holders: when others hold it too, that
+        holder gets a fresh page (refcount 1) in its place and drops its reference to the old
+        one; the caller copies the contents. Returns the new page, or None when the holder
+        was alone (it writes in place).
+
+        Raises:
+            OutOfPages: no page to copy into.
+        """
+        if not self.is_shared(page):
+            return None
+        [fresh] = self.allocate(1, self._kind[page])
+        self._refs[page] -= 1
+        return fresh
 
     def free(self, page_ids: list[int]) -> None:
         """Drop one reference to each page; pages nobody references return to the pool.

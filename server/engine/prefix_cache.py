@@ -74,6 +74,9 @@ class PrefixCache:
         if request.page_ids:
             return []
         max_pages = (request.num_tokens - 1) // self.page_size
+        if request.params.prompt_logprobs is not None:
+            # Its prompt logprobs need the logits of every prompt position it has not scored.
+            max_pages = min(max_pages, len(request.prompt_logprobs) // self.page_size)
         matched: list[int] = []
         for key in self._page_keys(request, max_pages):
             page = self._pages.get(key)

@@ -10,7 +10,12 @@ from dataclasses import dataclass, field
 import torch
 
 from loraplex.server.params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
     MAX_LOGPROBS,
+    MAX_N,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
     MAX_STOP_STRING_LEN,
     MAX_STOP_STRINGS,
     MIN_TEMPERATURE,
@@ -18,8 +23,10 @@ from loraplex.server.params import (
     TokenLogprob,
 )
 
-__all__ = ["MAX_LOGPROBS", "MAX_STOP_STRINGS", "MAX_STOP_STRING_LEN", "MIN_TEMPERATURE",
-           "Request", "RequestOutput", "RequestStatus", "SamplingParams", "TokenLogprob"]
+__all__ = ["MAX_LOGIT_BIAS", "MAX_LOGIT_BIAS_TOKENS", "MAX_LOGPROBS", "MAX_N", "MAX_PENALTY",
+           "MAX_REPETITION_PENALTY", "MAX_STOP_STRINGS", "MAX_STOP_STRING_LEN",
+           "MIN_TEMPERATURE", "Request", "RequestOutput", "RequestStatus", "SamplingParams",
+           "TokenLogprob"]
 
 
 class RequestStatus(enum.Enum):
@@ -61,7 +68,17 @@ class Request:
     first_token_time: float | None = None
     error: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Entry i: prompt token i + 1 given the tokens before it (filled during prefill, kept
+    # across preemption: recompute never appends twice).
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     generator: torch.Generator | None = None
+    group_id: str = ""  # the request the client sent, when this is one of its n children
+    index: int = 0  # which of the n sequences
+
+    @property
+    def output_id(self) -> str:
+        """The id outputs are reported under: the client's request (all n children share it)."""
+        return self.group_id or self.request_id
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -98,8 +115,10 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # with the first token
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     num_charged_tokens: int = 0  # tokens counted as service for fairness (never twice)
     error: str | None = None
+    index: int = 0  # the sequence, of the request's n

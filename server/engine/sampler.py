@@ -3,24 +3,30 @@
 The one seam that structured output (an allowed-token bitmask), speculative decoding
 (1 + k rows per request) and parallel sampling (n rows per request) fill or read.
 
-1. Every row's logits get its logit bias and its allowed-token bitmask (masked tokens -inf).
+1. Every row's logits get its penalties (repetition as transformers defines it over prompt and
+   output tokens, then OpenAI's frequency and presence penalties over output tokens), its
+   logit bias, its min-tokens mask (EOS and stop tokens -inf until ``min_tokens``) and its
+   allowed-token bitmask (masked tokens -inf): the same few tensor ops for every row, a row
+   that asks for nothing getting neutral values.
 2. Greedy rows take the argmax; the others are scaled by their temperature, cut to their top-k,
    top-p and min-p sets, and turned into probabilities: a few tensor ops for the whole batch,
    whatever the mix of parameters.
-3. Only the random draw is per row: ``torch.multinomial`` on the row's final probabilities with
-   the row's own ``torch.Generator``, so a seeded request draws the same tokens alone or in any
-   batch, and across preemption (recompute draws nothing).
+3. Only the random number is per row: one uniform draw from the row's own ``torch.Generator``
+   (a CPU generator), then one batched inverse-CDF search over every row's final
+   probabilities, so a seeded request draws the same tokens alone or in any batch, on any
+   device, and across preemption (recompute draws nothing).
 4. A row whose logits or probabilities are not usable (NaN, +inf, nothing left to draw) is
    reported in ``failed_rows``; the sampler never raises for one row's numbers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from loraplex.server.engine.controls import apply_controls, build_controls
 from loraplex.server.engine.request import Request, TokenLogprob
 
 
@@ -40,7 +46,16 @@ class SamplingMetadata:
         logprobs: ``[R]`` None for no logprobs; n: the chosen token's and the top n.
         min_p: ``[R]`` float32 or None; drop tokens below ``min_p`` times the row's top
             probability.
-        logit_bias: ``[R, V]`` float32 or None, added to the logits first.
+        logit_bias: ``[R, V]`` float32 or None, added to the logits after the penalties.
+        repetition_penalty: ``[R]`` float32 or None (1.0: none), on ``seen_tokens``.
+        seen_tokens: ``[R, V]`` bool, the tokens of each row's prompt and output (set with
+            ``repetition_penalty``).
+        frequency_penalty / presence_penalty: ``[R]`` float32 or None (0.0: none), on
+            ``output_token_counts``.
+        output_token_counts: ``[R, V]`` float32, how often each row generated each token (set
+            with the two penalties).
+        blocked_tokens: ``[R, V]`` bool or None, tokens masked for this step (EOS and stop
+            tokens of a row that has not reached its ``min_tokens``).
         allowed_token_bitmask: ``[R, ceil(V / 32)]`` int32 or None; bit ``j`` of word ``w``
             set means token ``32 * w + j`` is allowed (a row of -1 allows every token).
         return_probs: return the final probabilities of every row (speculative verification).
@@ -58,16 +73,35 @@ class SamplingMetadata:
     logit_bias: torch.Tensor | None = None
     allowed_token_bitmask: torch.Tensor | None = None
     return_probs: bool = False
+    repetition_penalty: torch.Tensor | None = None
+    seen_tokens: torch.Tensor | None = None
+    frequency_penalty: torch.Tensor | None = None
+    presence_penalty: torch.Tensor | None = None
+    output_token_counts: torch.Tensor | None = None
+    blocked_tokens: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
         return len(self.row_requests)
 
     @classmethod
-    def from_requests(cls, requests: Sequence[Request]) -> SamplingMetadata:
-        """One row per request, from each request's ``SamplingParams`` (CPU tensors)."""
+    def from_requests(cls, requests: Sequence[Request], vocab_size: int | None = None,
+                      eos_token_ids: Iterable[int] = (), device: torch.device | None = None
+                      ) -> SamplingMetadata:
+        """One row per request, from each request's ``SamplingParams`` (CPU tensors).
+
+        Args:
+            requests: one per row.
+            vocab_size: ``V``; needed when a row asks for penalties, a logit bias or min
+                tokens (the ``[R, V]`` tensors), else unused.
+            eos_token_ids: the model's end-of-sequence tokens, masked by ``min_tokens``.
+            device: where the ``[R, V]`` tables are made (the logits' device; default CPU).
+        Raises:
+            ValueError: a row needs ``[R, V]`` tensors and ``vocab_size`` is None.
+        """
         params = [r.params for r in requests]
         greedy = [p.greedy for p in params]
+        fields = build_controls(requests, vocab_size, tuple(eos_token_ids), device)
         return cls(
             requests=tuple(requests),
             row_requests=tuple(range(len(requests))),
@@ -78,6 +112,7 @@ class SamplingMetadata:
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
             logprobs=tuple(p.logprobs for p in params),
+            **fields,
         )
 
 
@@ -113,14 +148,13 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
     if num_rows != metadata.num_rows:
         raise ValueError(f"logits: {num_rows} rows for {metadata.num_rows} rows of metadata")
     raw = logits
-    if metadata.logit_bias is not None:
-        logits = logits + metadata.logit_bias.to(logits.device)
+    logits = apply_controls(logits, metadata)
     if metadata.allowed_token_bitmask is not None:
         allowed = unpack_bitmask(metadata.allowed_token_bitmask.to(logits.device), vocab)
         logits = logits.masked_fill(~allowed, float("-inf"))
-    # A row is unusable if it holds NaN or +inf, or masks every token.
-    failed = (logits.isnan().any(-1) | logits.isposinf().any(-1)
-              | ~logits.isfinite().any(-1))  # [R]
+    # A row is unusable if it holds NaN or +inf, or masks every token: its maximum (which
+    # propagates NaN) is then not finite. One reduction, not a pass per condition.
+    failed = ~logits.amax(-1).isfinite()  # [R]
     token_ids = logits.argmax(dim=-1).tolist()
     greedy = metadata.greedy.tolist()
     drawn = [i for i in range(num_rows) if not greedy[i]]
@@ -131,49 +165,84 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         probs_out[greedy_rows, [token_ids[i] for i in greedy_rows]] = 1.0
     failed_rows = set(torch.nonzero(failed.cpu()).flatten().tolist())
     if drawn:
-        # Request generators are CPU generators (seeded draws do not depend on the device),
-        # and torch refuses a CPU generator for CUDA tensors: draw from a CPU copy of the rows.
         index = torch.tensor(drawn)
-        probs = _probabilities(logits[index.to(logits.device)].cpu(), metadata, index)
-        bad = ~probs.isfinite().all(-1) | ~(probs.sum(-1) > 0)  # [len(drawn)]
+        probs = _probabilities(logits[index.to(logits.device)], metadata,
+                               index.to(logits.device))  # [N, V] on the logits' device
+        bad = (~probs.isfinite().all(-1) | ~(probs.sum(-1) > 0)).tolist()  # [N]
+        # Inverse-CDF draws: one uniform number per row from the row's own (CPU) generator,
+        # so a seeded row draws the same alone or in any batch, on any device; the search
+        # is one batched op (a zero-probability token is never found: its CDF step is empty).
+        uniform = torch.tensor([float(torch.rand(1, generator=metadata.generators[i],
+                                                 dtype=torch.float64)) for i in drawn],
+                               dtype=torch.float64, device=probs.device)  # [N]
+        cdf = probs.double().cumsum(-1)  # [N, V]
+        found = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)
+        picks = found[:, 0].clamp(max=vocab - 1).tolist()
         for row, i in enumerate(drawn):
-            if i in failed_rows or bool(bad[row]):
+            if i in failed_rows or bad[row]:
                 failed_rows.add(i)
-                continue
-            generator = metadata.generators[i]
-            token_ids[i] = int(torch.multinomial(probs[row], 1, generator=generator).item())
+            else:
+                token_ids[i] = picks[row]
         if probs_out is not None:
-            probs_out[index] = probs
+            probs_out[index] = probs.cpu()
     logprobs = _logprobs(raw, metadata, token_ids, failed_rows)
     return SamplerOutput(token_ids, logprobs, probs_out, tuple(sorted(failed_rows)))
 
 
 def _probabilities(logits: torch.Tensor, metadata: SamplingMetadata,
                    index: torch.Tensor) -> torch.Tensor:
-    """``[N, V]`` logits of the drawn rows ``index`` -> their final probabilities."""
+    """``[N, V]`` logits of the drawn rows ``index`` (on the logits' device) -> their final
+    probabilities."""
     vocab = logits.shape[-1]
-    scaled = logits / metadata.temperature[index, None]
-    top_k = metadata.top_k[index]
+    scaled = logits / metadata.temperature.to(index.device)[index, None]
+    top_k = metadata.top_k.to(index.device)[index]
     cut_k = (top_k > 0) & (top_k < vocab)  # [N]
     if bool(cut_k.any()):
-        # The k-th largest value of each row; ties with it stay, as topk's cut would keep them.
-        kth = scaled.sort(dim=-1, descending=True).values.gather(
-            1, (top_k.clamp(1, vocab) - 1)[:, None])  # [N, 1]
+        # The k-th largest value of each row (topk of the largest k asked, not a sort of the
+        # vocabulary); ties with it stay, as topk's cut would keep them.
+        k_max = int(top_k[cut_k].max())
+        kth = scaled.topk(k_max, dim=-1).values.gather(
+            1, (top_k.clamp(1, k_max) - 1)[:, None])  # [N, 1]
         scaled = scaled.masked_fill(cut_k[:, None] & (scaled < kth), float("-inf"))
-    top_p = metadata.top_p[index]
+    top_p = metadata.top_p.to(index.device)[index]
     cut_p = top_p < 1.0  # [N]
     if bool(cut_p.any()):
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        # Drop a token when the tokens before it already reach top_p (the first always stays).
-        drop = (sorted_probs.cumsum(-1) - sorted_probs >= top_p[:, None]) & cut_p[:, None]
-        scaled = scaled.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        rows = cut_p.nonzero().flatten()
+        scaled = scaled.clone()
+        scaled[rows] = _top_p_cut(scaled[rows], top_p[rows])
     probs = scaled.softmax(-1)
     if metadata.min_p is not None:
-        min_p = metadata.min_p[index]
+        min_p = metadata.min_p.to(index.device)[index]
         floor = min_p[:, None] * probs.amax(-1, keepdim=True)
         probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+# Top-p looks for its cut among each row's most likely tokens first: a sort of the whole
+# vocabulary costs tens of times more, and only rows whose nucleus is not inside them need it.
+TOP_P_CANDIDATES = 1024
+
+
+def _top_p_cut(scaled: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """``[M, V]`` logits -> the same with every token outside the row's nucleus at -inf: a
+    token stays while the tokens more likely than it hold less than ``top_p`` (the first
+    always stays)."""
+    probs = scaled.softmax(-1)  # [M, V]
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    cand_p, cand_ids = probs.topk(min(TOP_P_CANDIDATES, probs.shape[-1]), dim=-1)  # [M, C]
+    before = cand_p.cumsum(-1) - cand_p
+    # When the candidates hold top_p, every other token has at least that much before it.
+    inside = cand_p.sum(-1) >= top_p  # [M]
+    if bool(inside.any()):
+        keep[inside] = keep[inside].scatter(1, cand_ids[inside],
+                                            before[inside] < top_p[inside, None])
+    if not bool(inside.all()):
+        outside = ~inside
+        sorted_p, order = probs[outside].sort(dim=-1, descending=True)
+        keep[outside] = keep[outside].scatter(
+            1, order, sorted_p.cumsum(-1) - sorted_p < top_p[outside, None])
+    return scaled.masked_fill(~keep, float("-inf"))
 
 
 def _logprobs(logits: torch.Tensor, metadata: SamplingMetadata, token_ids: list[int],
@@ -192,6 +261,20 @@ def _logprobs(logits: torch.Tensor, metadata: SamplingMetadata, token_ids: list[
             top = tuple(zip(ids.tolist(), values.tolist()))
         out[i] = TokenLogprob(token_ids[i], float(lp[row, token_ids[i]]), top)
     return out
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int
+                   ) -> list[TokenLogprob]:
+    """The logprob of ``token_ids[i]`` under row ``i`` of ``logits`` ``[N, V]``, with the top
+    ``num_top`` (the model's distribution, as ``logprobs`` reports it)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+    ids = torch.tensor(token_ids, dtype=torch.long, device=lp.device)
+    chosen = lp.gather(1, ids[:, None])[:, 0].tolist()
+    tops: list[tuple[tuple[int, float], ...]] = [()] * len(token_ids)
+    if num_top:
+        values, top_ids = lp.topk(num_top, dim=-1)
+        tops = [tuple(zip(i, v)) for i, v in zip(top_ids.tolist(), values.tolist())]
+    return [TokenLogprob(t, c, top) for t, c, top in zip(token_ids, chosen, tops)]
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from loraplex.server.config import SchedulerConfig
@@ -40,6 +40,9 @@ class ScheduledBatch:
     requests: list[Request]
     num_new_tokens: list[int]
     preempted: list[Request]
+    # (source, destination) KV pages the runner copies, in every layer, before the forward
+    # pass: a sequence's first write into a page it shares with its siblings.
+    page_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -118,13 +121,15 @@ class Scheduler:
         scheduled: list[Request] = []
         counts: list[int] = []
         preempted: list[Request] = []
+        copies: list[tuple[int, int]] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._chunk(req, budget)
             need = self._pages_for(req, req.num_computed_tokens + n)
-            while not self.pager.can_allocate(need):
+            shared = self._shared_tail(req)
+            while not self.pager.can_allocate(need + (shared is not None)):
                 victim = self.running.pop()  # the newest running request
                 self._preempt(victim)
                 preempted.append(victim)
@@ -132,6 +137,11 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 break
+            if shared is not None:
+                fresh = self.pager.copy_on_write(req.page_ids[shared])
+                if fresh is not None:  # else its siblings left it the page
+                    copies.append((req.page_ids[shared], fresh))
+                    req.page_ids[shared] = fresh
             req.page_ids.extend(self.pager.allocate(need))
             self._charge(req, n)
             scheduled.append(req)
@@ -178,7 +188,31 @@ class Scheduler:
             scheduled.append(req)
             counts.append(n)
             budget -= n
-        return ScheduledBatch(scheduled, counts, preempted)
+        return ScheduledBatch(scheduled, counts, preempted, copies)
+
+    def _shared_tail(self, request: Request) -> int | None:
+        """The index of the partly filled page the request writes next, when siblings share
+        it (only a forked sequence's last prompt page: cached prefix pages are full)."""
+        if request.num_computed_tokens % self.config.page_size == 0:
+            return None
+        index = request.num_computed_tokens // self.config.page_size
+        return index if self.pager.is_shared(request.page_ids[index]) else None
+
+    def fork(self, parent: Request, children: Iterable[Request]) -> None:
+        """Start ``children`` (the other sequences of ``parent``'s prompt) running on its
+        pages: each holds every one of them once more (no page is allocated or computed),
+        and the first write into the shared last page copies it (``_shared_tail``). The
+        prompt was charged to ``parent`` for fairness; the children are charged their own
+        output tokens only."""
+        for child in children:
+            child.page_ids = list(parent.page_ids)
+            self.pager.share(child.page_ids)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_charged_tokens = parent.num_charged_tokens
+            child.status = RequestStatus.RUNNING
+            if self.gate is not None:
+                self.gate.acquire(child)
+            self.running.append(child)
 
     def _preempt(self, request: Request) -> None:
         # Recompute: drop the KV, keep the tokens; the request re-enters at the queue's head.

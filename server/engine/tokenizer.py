@@ -117,6 +117,8 @@ class Detokenizer:
         self.stops = request.params.stop
         self._hold = max((len(s) for s in self.stops), default=1) - 1
         self._ids = list(request.prompt_token_ids)
+        self._num_prompt_ids = len(self._ids)
+        self._min_tokens = request.params.min_tokens
         self._prefix_offset = max(len(self._ids) - _CONTEXT_TOKENS, 0)
         self._read_offset = len(self._ids)
         self.text = ""  # all output text so far (truncated at a stop string)
@@ -124,10 +126,12 @@ class Detokenizer:
 
     def add(self, token_id: int, finished: bool) -> tuple[str, bool]:
         """Append one token. Returns (text now safe to emit, whether a stop string matched);
-        without a tokenizer the text is always empty."""
+        without a tokenizer the text is always empty; stop strings match only from the
+        request's ``min_tokens``-th token on."""
         self._ids.append(token_id)
         if self.tokenizer is None:
             return "", False
+        match_stops = len(self._ids) - self._num_prompt_ids >= self._min_tokens
         prefix = self.tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
         full = self.tokenizer.decode(self._ids[self._prefix_offset:])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
@@ -135,7 +139,7 @@ class Detokenizer:
             self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
             search_from = max(len(self.text) - self._hold, 0)
             self.text += delta
-            for stop in self.stops:
+            for stop in self.stops if match_stops else ():
                 at = self.text.find(stop, search_from)
                 if at >= 0:
                     self.text = self.text[:at]

@@ -43,6 +43,19 @@ def test_serve_generate_push_and_sigterm(model_dir: Path, tmp_path: Path,
         assert cli_main(["generate", "--server", address, "--system", "x", "Hello"]) == 2
         capsys.readouterr()
 
+        args = ["--max-tokens", "4", "--logit-bias", "65=100", "--min-tokens", "2",
+                "--repetition-penalty", "1.2", "--presence-penalty", "0.5",
+                "--frequency-penalty", "0.5", "--min-p", "0.1"]
+        assert cli_main(["generate", "--server", address, *args, "Hello"]) == 0
+        out, _ = capsys.readouterr()
+        with Client(address, api_key="") as client:
+            forced = client.generate("Hello", max_tokens=4, logit_bias={65: 100.0})
+        assert forced.token_ids == [65] * 4 and out.rstrip("\n") == forced.text
+        assert cli_main(["generate", "--server", address, "--logit-bias", "65", "Hello"]) == 1
+        assert cli_main(["generate", "--server", address, "--min-p", "2", "Hello"]) == 1
+        _, err = capsys.readouterr()
+        assert "--logit-bias: expected TOKEN=BIAS" in err and "min_p: must be in [0, 1]" in err
+
         adapter = tmp_path / "demo-lora"
         assert cli_main(["demo-adapter", str(adapter), "--model", str(model_dir)]) == 0
         assert cli_main(["adapters", "push", "--server", address, "--name", "demo",

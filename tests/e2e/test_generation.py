@@ -64,6 +64,42 @@ def test_logprobs_and_request_id_echo(cluster: Cluster) -> None:
         assert lp.top[0][1] >= lp.top[-1][1]
 
 
+def test_sampling_controls_over_grpc_agree_with_the_offline_engine(cluster: Cluster,
+                                                                   model_dir: Path) -> None:
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True,
+                            min_tokens=2, presence_penalty=0.5, frequency_penalty=0.3,
+                            repetition_penalty=1.4, min_p=0.05, logit_bias={3: 4.0, 9: -2.0})
+    offline = LLM(engine=Engine(engine_config(model_dir)))
+    want = offline.generate(PROMPTS[:2], params)
+    with cluster.client() as client:
+        for prompt, expected in zip(PROMPTS[:2], want):
+            assert client.generate(prompt, params=params).token_ids == expected.token_ids
+        forced = client.generate("x", max_tokens=3, logit_bias={77: 100.0})
+        assert forced.token_ids == [77, 77, 77]
+        vocab = cluster.workers[0].engine.model_config.vocab_size
+        with pytest.raises(ServiceError) as info:  # unknown to the model: the worker refuses
+            client.generate("x", max_tokens=3, logit_bias={vocab + 5: 1.0})
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.message.startswith("logit_bias:")
+
+
+def test_prompt_logprobs_over_grpc(cluster: Cluster, model_dir: Path) -> None:
+    params = SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    want = LLM(engine=Engine(engine_config(model_dir))).generate(PROMPTS[:2], params)
+    with cluster.client() as client:
+        for prompt, expected in zip(PROMPTS[:2], want):
+            unary = client.generate(prompt, params=params)
+            chunks = list(client.generate_stream(prompt, params=params))
+            assert len(expected.prompt_logprobs) == len(expected.prompt_token_ids) - 1
+            for got in (unary.prompt_logprobs, chunks[0].prompt_logprobs):
+                assert [lp.token_id for lp in got] == expected.prompt_token_ids[1:]
+                assert [lp.logprob for lp in got] == pytest.approx(
+                    [lp.logprob for lp in expected.prompt_logprobs], abs=1e-5)
+                assert all(len(lp.top) == 2 for lp in got)
+            assert all(c.prompt_logprobs == [] for c in chunks[1:])
+        assert client.generate("abc", max_tokens=2).prompt_logprobs == []
+
+
 def test_async_client_matches_sync(cluster: Cluster) -> None:
     async def run() -> tuple[list[int], list[int]]:
         async with AsyncClient(cluster.address, api_key="") as client:
@@ -97,9 +133,17 @@ def unchecked_params(**fields: object) -> SamplingParams:
     ({"stop": tuple(f"s{i}" for i in range(17))}, "stop"),
     ({"stop": ("x" * 300,)}, "stop"),
     ({"logprobs": 21}, "logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ({"top_p": 0.0}, "top_p"),
     ({"temperature": float("nan")}, "temperature"),
     ({"stop_token_ids": tuple(range(65))}, "stop_token_ids"),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"min_p": float("nan")}, "min_p"),
+    ({"logit_bias": {3: 200.0}}, "logit_bias"),
+    ({"logit_bias": {i: 1.0 for i in range(301)}}, "logit_bias"),
     ({"request_id": "r" * 200}, "request_id"),
     ({"adapter": "Bad Name!"}, "adapter"),
 ])

@@ -100,3 +100,69 @@ def test_unseeded_requests_draw_from_the_os_unless_the_operator_sets_a_seed(tiny
     assert _unseeded_tokens(tiny_llama, seed) == _unseeded_tokens(tiny_llama, seed)
     unset = build_parser().parse_args(["worker", "--model", str(tiny_llama)])
     assert engine_config_from_args(unset).seed is None
+
+
+def test_min_tokens_holds_off_eos_even_when_the_model_wants_it(llm):
+    eos = min(llm.engine.eos_token_ids)
+    prompts = random_prompts(3, seed=9)
+    # +100 on EOS: without min_tokens every request ends at its first token.
+    eager = llm.generate(prompts, SamplingParams(max_tokens=12, logit_bias={eos: 100.0}))
+    assert all(c.token_ids == [eos] and c.finish_reason == "stop" for c in eager)
+    for min_tokens in (1, 5, 11):
+        held = llm.generate(prompts, [SamplingParams(
+            max_tokens=12, min_tokens=min_tokens, logit_bias={eos: 100.0},
+            temperature=t, seed=3) for t in (0.0, 1.0, 0.7)])
+        for c in held:
+            assert eos not in c.token_ids[:min_tokens]
+            assert c.token_ids[min_tokens:] == [eos] and c.finish_reason == "stop"
+    stop_token = 7
+    held = llm.generate(prompts[:1], SamplingParams(
+        max_tokens=6, min_tokens=4, stop_token_ids=(stop_token,), ignore_eos=True,
+        logit_bias={stop_token: 100.0}))[0]
+    assert held.token_ids == [t for t in held.token_ids[:4] if t != stop_token] + [stop_token]
+
+
+def test_logit_bias_forces_a_token_and_unknown_ids_are_refused(llm):
+    prompts = random_prompts(2, seed=10)
+    forced = llm.generate(prompts, [
+        SamplingParams(max_tokens=5, ignore_eos=True, logit_bias={42: 100.0}),
+        SamplingParams(max_tokens=5, ignore_eos=True, temperature=1.0, seed=1,
+                       logit_bias={42: 100.0})])
+    assert [c.token_ids for c in forced] == [[42] * 5, [42] * 5]
+    vocab = llm.engine.model_config.vocab_size
+    with pytest.raises(ValueError, match=rf"^logit_bias: token ids \[{vocab}\]"):
+        llm.engine.add_request("bad-bias", [1, 2], SamplingParams(logit_bias={vocab: 1.0}))
+
+
+def test_penalties_and_min_p_keep_seeds_reproducible_alone_and_batched(llm):
+    prompts = random_prompts(5, seed=11)
+    params = SamplingParams(max_tokens=14, temperature=1.0, seed=77, ignore_eos=True,
+                            repetition_penalty=1.3, presence_penalty=0.5,
+                            frequency_penalty=0.4, min_p=0.05, min_tokens=3,
+                            logit_bias={5: 2.0})
+    alone = llm.generate(prompts[:1], params)[0].token_ids
+    others = [SamplingParams(max_tokens=9, temperature=0.8, seed=i, ignore_eos=True,
+                             frequency_penalty=1.0 * i / 4) for i in range(4)]
+    assert llm.generate(prompts, [params] + others)[0].token_ids == alone
+    # Greedy on this model repeats itself; a strong repetition penalty (prompt and output
+    # tokens) makes it repeat nothing, not even the prompt's token.
+    repeat = [9, 9, 9, 9, 9, 9]
+    plain = llm.generate([repeat], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+    penalized = llm.generate([repeat], SamplingParams(max_tokens=8, ignore_eos=True,
+                                                      repetition_penalty=10.0))[0].token_ids
+    assert len(set(plain)) < len(plain)
+    assert len(set(penalized)) == len(penalized) and 9 not in penalized
+
+
+def test_stop_strings_are_matched_only_from_min_tokens_on(llm):
+    prompt = random_prompts(1, seed=12)
+    free = llm.generate(prompt, SamplingParams(max_tokens=10, ignore_eos=True))[0]
+    stop = free.text[-1]
+    early = llm.generate(prompt, SamplingParams(max_tokens=10, ignore_eos=True,
+                                                stop=(stop,)))[0]
+    k = len(early.token_ids)
+    assert early.finish_reason == "stop" and k < 10 and stop not in early.text
+    held = llm.generate(prompt, SamplingParams(max_tokens=10, ignore_eos=True, stop=(stop,),
+                                               min_tokens=k + 1))[0]
+    assert held.token_ids[:k] == early.token_ids and len(held.token_ids) > k
+    assert stop in held.text  # its first occurrence came before min_tokens: not a stop

@@ -82,3 +82,28 @@ def test_stats_by_kind():
     pager.add_entry("prefix", PageKind.PREFIX, 1, pinned=False)
     s = pager.stats()
     assert (s.num_kv, s.num_adapter, s.num_prefix, s.num_free, s.num_evictable) == (2, 3, 1, 4, 1)
+
+
+def test_copy_on_write_gives_all_but_the_last_holder_a_page():
+    pager = Pager(8)
+    [page] = pager.allocate(1)
+    pager.share([page, page, page])  # four holders
+    assert pager.is_shared(page) and pager.stats().num_kv == 1  # counted once
+    fresh = [pager.copy_on_write(page) for _ in range(4)]
+    assert fresh[3] is None and None not in fresh[:3]  # the last one writes in place
+    assert len(set(fresh[:3]) | {page}) == 4 and pager.stats().num_kv == 4
+    assert not pager.is_shared(page)
+    pager.free([page, *fresh[:3]])
+    assert pager.stats().num_free == 8
+
+
+def test_sharing_a_cached_prefix_page_pins_it():
+    pager = Pager(4)
+    [page] = pager.allocate(1)
+    pager.promote(page, "k")
+    pager.share([page])  # a second holder: one more pin, not a refcount
+    assert pager.pins("k") == 2 and not pager.is_shared(page)
+    pager.free([page])
+    pager.free([page])
+    assert pager.pins("k") == 0 and pager.stats().num_evictable == 1
+    assert pager.stats().num_prefix == 1  # cached until evicted

@@ -177,3 +177,47 @@ def test_distinct_adapter_cap_per_step():
     assert sorted(r for r, _ in scheduled) == ["r0", "r1", "r3", "r4"]  # "c" waits
     run_all(sched)
     assert sched.pager.num_free == 64
+
+
+def test_forked_sequences_copy_the_shared_page_once_each_and_preempt_alone():
+    pager = Pager(9)
+    sched = Scheduler(SchedulerConfig(page_size=4, max_num_batched_tokens=64), pager)
+    parent = make_request("p", 6, 10)  # one full page + 2 tokens
+    children = [make_request(f"c{i}", 6, 10) for i in range(2)]
+    sched.add(parent)
+    fake_step(sched)  # prefill: 2 pages, the first token
+    for c in children:
+        c.output_token_ids.append(1)
+    sched.fork(parent, children)
+    assert pager.stats().num_kv == 2 and pager.num_free == 7
+    shared = parent.page_ids[1]
+    batch = sched.schedule()  # each writes position 6, in the shared second page
+    assert len(batch.page_copies) == 2 and pager.stats().num_kv == 4
+    assert {s for s, _ in batch.page_copies} == {shared}
+    # In running order: the first two copy, the last holder keeps the page itself.
+    assert [d for _, d in batch.page_copies] == [parent.page_ids[1], children[0].page_ids[1]]
+    assert children[1].page_ids[1] == shared
+    assert all(r.page_ids[0] == parent.page_ids[0] for r in children)  # full page: shared
+    for req, n in zip(batch.requests, batch.num_new_tokens):
+        req.num_computed_tokens += n
+    sched._preempt(children[1])  # frees its private page only; the shared one stays
+    assert pager.stats().num_kv == 3 and not pager.is_shared(children[0].page_ids[1])
+    for req in (parent, children[0]):
+        sched.finish(req, RequestStatus.FINISHED_LENGTH)
+    sched.finish(children[1], RequestStatus.FINISHED_ABORTED)
+    assert pager.num_free == 9 and pager.stats().num_kv == 0
+
+
+def test_forked_sequences_are_charged_their_outputs_not_the_prompt_again():
+    sched = Scheduler(SchedulerConfig(page_size=4, scheduling="vtc"), Pager(16))
+    assert sched.vtc is not None
+    parent = make_request("p", 6, 10)
+    children = [make_request(f"c{i}", 6, 10) for i in range(2)]
+    sched.add(parent)
+    fake_step(sched)
+    assert sched.vtc.counters["default"] == 6  # the prompt, once (input weight 1)
+    for c in children:
+        c.output_token_ids.append(1)
+    sched.fork(parent, children)
+    fake_step(sched)  # three decodes of one token each (output weight 2)
+    assert sched.vtc.counters["default"] == 6 + 3 * 2

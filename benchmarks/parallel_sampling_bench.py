@@ -1,0 +1,215 @@
+"""Parallel-sampling benchmark: n sequences on shared pages against n separate requests.
+
+One trace (prompts of ``--prompt-len`` tokens, each for one of ``--num-adapters`` random rank-8
+adapters, ``--max-tokens`` new tokens uniform in a range, temperature 1 with a seed per prompt)
+runs, for every ``n`` of ``--n``, twice on fresh engines: once as one request with ``n``
+sequences (one prefill, the prompt's pages shared, copy-on-write of the last one) and once as
+``n`` separate requests seeded ``seed + i`` (the same tokens, up to float reduction order);
+both with the prefix cache off, then once more with it on. Every request is added at once.
+Reported: output tokens/s, the peak of KV pages held (``PagerStats.num_kv``; with the cache on
+also KV + cached prefix pages), and the ratios shared / separate, against the issue's targets
+(at n = 8: at least 1.5x the throughput and at most 0.4x the peak pages).
+
+Then the sampler's cost per decode step at batch 64 with every control on (penalties, logit
+bias, min-p, min-tokens, top-k/top-p, seeded draws): the median time of ``sample`` (metadata
+built from the running requests, logits of the model's vocabulary) against the median decode
+step of the same 64 requests (target: at most 10%).
+
+Usage: ``python benchmarks/parallel_sampling_bench.py --model PATH --out bench-out/parallel``
+(defaults are the issue's trace; without ``--model`` a random Llama of the engine benchmark's
+shape is built). A quick CPU run: ``--num-prompts 4 --prompt-len 64 96 --n 4 --max-tokens 8 16
+--num-adapters 4 --num-layers 2 --sampler-batch 16``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+from common import BENCH_HF_CONFIG, build_model, machine_info  # noqa: E402
+
+from loraplex.adapter_store.directory_source import DirectoryAdapterSource  # noqa: E402
+from loraplex.server import env  # noqa: E402
+from loraplex.server.commands import write_demo_adapter  # noqa: E402
+from loraplex.server.config import EngineConfig, SchedulerConfig  # noqa: E402
+from loraplex.server.engine.engine import Engine  # noqa: E402
+from loraplex.server.engine.models.config import ModelConfig  # noqa: E402
+from loraplex.server.engine.request import SamplingParams  # noqa: E402
+from loraplex.server.engine.sampler import SamplingMetadata, sample  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="an HF model directory (default: random)")
+    p.add_argument("--num-layers", type=int, default=BENCH_HF_CONFIG["num_hidden_layers"],
+                   help="layers of the random model")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(256, 512), metavar=("MIN", "MAX"))
+    p.add_argument("--n", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--max-tokens", type=int, nargs=2, default=(32, 128), metavar=("MIN", "MAX"))
+    p.add_argument("--num-adapters", type=int, default=64)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--num-pages", type=int, default=4096)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--sampler-batch", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="directory for the JSON")
+    return p.parse_args(argv)
+
+
+def make_adapters(model: Path, root: Path, num: int) -> list[str]:
+    for i in range(num):
+        write_demo_adapter(root / f"a{i}", str(model), rank=8, seed=i)
+    source = DirectoryAdapterSource(root, ModelConfig.from_pretrained(str(model)))
+    names = source.names()
+    return [names[f"a{i}"] for i in range(num)]
+
+
+def engine_for(args: argparse.Namespace, model: Path, adapters: Path, prefix: bool) -> Engine:
+    source = DirectoryAdapterSource(adapters, ModelConfig.from_pretrained(str(model)))
+    return Engine(EngineConfig(model=str(model), dtype=args.dtype, device=args.device,
+                               num_pages=args.num_pages, enable_prefix_caching=prefix,
+                               scheduler=SchedulerConfig(page_size=args.page_size)),
+                  adapter_source=source)
+
+
+def run(engine: Engine, trace: list[dict], n: int, shared: bool) -> dict:
+    """Add the trace at once (n sequences each, shared or as n requests); step to the end."""
+    tokens: dict[tuple[str, int], list[int]] = {}
+    start = time.perf_counter()
+    for t in trace:
+        params = SamplingParams(max_tokens=t["max_tokens"], temperature=1.0, ignore_eos=True,
+                                seed=t["seed"], n=n if shared else 1)
+        if shared:
+            engine.add_request(t["id"], t["prompt"], params, adapter_digest=t["adapter"])
+            continue
+        for i in range(n):
+            single = SamplingParams(max_tokens=t["max_tokens"], temperature=1.0,
+                                    ignore_eos=True, seed=t["seed"] + i)
+            engine.add_request(f"{t['id']}.{i}", t["prompt"], single,
+                               adapter_digest=t["adapter"])
+    peak_kv = peak_held = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            rid, index = out.request_id, out.index
+            if not shared:
+                rid, index = rid.rsplit(".", 1)[0], int(rid.rsplit(".", 1)[1])
+            tokens.setdefault((rid, index), []).extend(out.new_token_ids)
+        s = engine.pager.stats()
+        peak_kv = max(peak_kv, s.num_kv)
+        peak_held = max(peak_held, s.num_kv + s.num_prefix)
+    wall = time.perf_counter() - start
+    num_tokens = sum(len(v) for v in tokens.values())
+    return {"wall_s": wall, "output_tokens": num_tokens, "tokens_per_s": num_tokens / wall,
+            "peak_kv_pages": peak_kv, "peak_kv_and_prefix_pages": peak_held,
+            "preemptions": engine.stats().num_preemptions,
+            "tokens": {f"{k[0]}/{k[1]}": v for k, v in tokens.items()}}
+
+
+def sampler_cost(args: argparse.Namespace, model: Path) -> dict:
+    """Median ``sample`` time (every control on) against the median decode step, batch B."""
+    batch = args.sampler_batch
+    engine = Engine(EngineConfig(model=str(model), dtype=args.dtype, device=args.device,
+                                 num_pages=args.num_pages,
+                                 scheduler=SchedulerConfig(page_size=args.page_size)))
+    vocab = engine.model_config.vocab_size
+    rng = random.Random(args.seed)
+    for i in range(batch):
+        params = SamplingParams(
+            max_tokens=24, temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, seed=i,
+            presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2,
+            min_tokens=24, logit_bias={rng.randrange(vocab): 5.0 for _ in range(16)},
+            ignore_eos=True)
+        engine.add_request(f"s{i}", [rng.randrange(vocab) for _ in range(64)], params)
+    engine.step()  # the prefills
+    steps, samples = [], []
+    logits = torch.randn(batch, vocab, device=engine.device)
+    while engine.has_unfinished():
+        running = list(engine.scheduler.running)
+        decode = len(running) == batch
+        t0 = time.perf_counter()
+        engine.step()
+        if decode:
+            steps.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            meta = SamplingMetadata.from_requests(running, vocab, engine.eos_token_ids,
+                                                  engine.device)
+            out = sample(logits, meta)
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize()
+            samples.append(time.perf_counter() - t0)
+            del out
+    step, sampler = statistics.median(steps), statistics.median(samples)
+    return {"batch": batch, "median_step_s": step, "median_sample_s": sampler,
+            "sampler_share_of_step": sampler / step, "target": 0.10}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cache = env.cache_dir() / "bench"
+    if args.model:
+        model = Path(args.model)
+    else:
+        model = build_model(cache, {**BENCH_HF_CONFIG, "num_hidden_layers": args.num_layers})
+    vocab = ModelConfig.from_pretrained(str(model)).vocab_size
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        digests = make_adapters(model, Path(tmp), args.num_adapters)
+        trace = [{"id": f"p{i}", "adapter": digests[i % len(digests)], "seed": 1000 * i,
+                  "prompt": [rng.randrange(vocab)
+                             for _ in range(rng.randint(*args.prompt_len))],
+                  "max_tokens": rng.randint(*args.max_tokens)}
+                 for i in range(args.num_prompts)]
+        results = []
+        print(f"{'n':>3} {'prefix':>6} {'system':>9} {'tok/s':>9} {'peak KV':>8} "
+              f"{'KV+pfx':>7} {'preempt':>7}")
+        for n in args.n:
+            for prefix in (False, True):
+                row: dict = {"n": n, "prefix_cache": prefix}
+                for shared in (True, False):
+                    r = run(engine_for(args, model, Path(tmp), prefix), trace, n, shared)
+                    row["shared" if shared else "separate"] = r
+                    print(f"{n:>3} {str(prefix):>6} {'shared' if shared else 'separate':>9} "
+                          f"{r['tokens_per_s']:>9.1f} {r['peak_kv_pages']:>8} "
+                          f"{r['peak_kv_and_prefix_pages']:>7} {r['preemptions']:>7}")
+                a, b = row["shared"], row["separate"]
+                row["throughput_ratio"] = a["tokens_per_s"] / b["tokens_per_s"]
+                row["peak_pages_ratio"] = (a["peak_kv_and_prefix_pages"]
+                                           / b["peak_kv_and_prefix_pages"])
+                same = sum(a["tokens"][k] == b["tokens"].get(k) for k in a["tokens"])
+                row["same_tokens"] = f"{same}/{len(a['tokens'])}"
+                print(f"    shared / separate: {row['throughput_ratio']:.2f}x tokens/s, "
+                      f"{row['peak_pages_ratio']:.2f}x peak pages; same tokens {same}/"
+                      f"{len(a['tokens'])}")
+                for r in (a, b):
+                    del r["tokens"]
+                results.append(row)
+    cost = sampler_cost(args, model)
+    print(f"sampler at batch {cost['batch']}, every control on: "
+          f"{cost['median_sample_s'] * 1e3:.2f} ms of a {cost['median_step_s'] * 1e3:.1f} ms "
+          f"decode step ({cost['sampler_share_of_step']:.1%}; target <= 10%)")
+    report = {"machine": machine_info(args.threads), "args": {
+        k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "runs": results, "sampler": cost}
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "parallel_sampling_bench.json").write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""The logit controls of the sampler: penalties, logit bias and the min-tokens mask.
+
+``build_controls`` turns each row's ``SamplingParams`` and tokens so far into the batched
+``[R]`` and ``[R, V]`` tensors of ``SamplingMetadata``; ``apply_controls`` applies them to a
+batch of logits in a few tensor operations, whatever the mix of rows. A tensor is built only
+when some row of the batch asks for its control (the others get neutral values), so a batch
+that asks for none pays nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from loraplex.server.engine.request import Request
+
+if TYPE_CHECKING:
+    from loraplex.server.engine.sampler import SamplingMetadata
+
+
+def build_controls(requests: Sequence[Request], vocab_size: int | None,
+                   eos_token_ids: tuple[int, ...], device: torch.device | None = None
+                   ) -> dict[str, torch.Tensor | None]:
+    """``SamplingMetadata``'s control fields for one row per request. The ``[R, V]`` tables
+    are made on ``device`` (default CPU) from small index tensors: only the token ids cross
+    to the device, never a table.
+
+    Raises:
+        ValueError: a row needs ``[R, V]`` tensors and ``vocab_size`` is None.
+    """
+    params = [r.params for r in requests]
+    out: dict[str, torch.Tensor | None] = {}
+    if any(p.min_p > 0 for p in params):
+        out["min_p"] = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+    blocked = [i for i, r in enumerate(requests) if r.num_output_tokens < r.params.min_tokens]
+    repetition = any(p.repetition_penalty != 1.0 for p in params)
+    counted = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params)
+    biased = any(p.logit_bias for p in params)
+    if not (blocked or repetition or counted or biased):
+        return out
+    if vocab_size is None:
+        raise ValueError("vocab_size: needed for penalties, logit_bias and min_tokens")
+    vocab = vocab_size
+    num_rows = len(requests)
+    dev = device or torch.device("cpu")
+    if repetition:
+        out["repetition_penalty"] = torch.tensor([p.repetition_penalty for p in params],
+                                                 dtype=torch.float32)
+        out["seen_tokens"] = token_counts(
+            [r.all_token_ids if r.params.repetition_penalty != 1.0 else [] for r in requests],
+            vocab, dev) > 0  # [R, V]
+    if counted:
+        out["frequency_penalty"] = torch.tensor([p.frequency_penalty for p in params],
+                                                dtype=torch.float32)
+        out["presence_penalty"] = torch.tensor([p.presence_penalty for p in params],
+                                               dtype=torch.float32)
+        out["output_token_counts"] = token_counts(
+            [r.output_token_ids if r.params.frequency_penalty or r.params.presence_penalty
+             else [] for r in requests], vocab, dev)  # [R, V]
+    if biased:
+        rows = [i for i, p in enumerate(params) for _ in p.logit_bias]
+        tokens = [t for p in params for t, _ in p.logit_bias]
+        values = [b for p in params for _, b in p.logit_bias]
+        bias = torch.zeros(num_rows, vocab, dtype=torch.float32, device=dev)  # [R, V]
+        bias[torch.tensor(rows, device=dev), torch.tensor(tokens, device=dev)] = torch.tensor(
+            values, dtype=torch.float32, device=dev)
+        out["logit_bias"] = bias
+    if blocked:
+        rows, tokens = [], []
+        for i in blocked:
+            p = params[i]
+            stops = [t for t in p.stop_token_ids + (() if p.ignore_eos else eos_token_ids)
+                     if t < vocab]
+            rows.extend([i] * len(stops))
+            tokens.extend(stops)
+        mask = torch.zeros(num_rows, vocab, dtype=torch.bool, device=dev)  # [R, V]
+        mask[torch.tensor(rows, dtype=torch.long, device=dev),
+             torch.tensor(tokens, dtype=torch.long, device=dev)] = True
+        out["blocked_tokens"] = mask
+    return out
+
+
+def token_counts(token_lists: Sequence[Sequence[int]], vocab: int,
+                 device: torch.device | None = None) -> torch.Tensor:
+    """``[R, V]`` float32 on ``device``: how many times each row's list holds each token."""
+    num_rows = len(token_lists)
+    flat = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64,
+                        device=device)
+    rows = torch.repeat_interleave(torch.arange(num_rows, device=device),
+                                   torch.tensor([len(t) for t in token_lists], device=device))
+    counts = torch.bincount(rows * vocab + flat, minlength=num_rows * vocab)
+    return counts.view(num_rows, vocab).to(torch.float32)
+
+
+def apply_controls(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """``[R, V]`` logits -> the logits after penalties, logit bias and the min-tokens mask.
+
+    Repetition penalty first, on the model's logits (transformers' order), then the frequency
+    and presence penalties, then the bias, then the mask (a bias cannot lift a masked token).
+    """
+    device = logits.device
+    m = metadata
+    if m.repetition_penalty is not None and m.seen_tokens is not None:
+        penalty = m.repetition_penalty.to(device)[:, None]  # [R, 1]
+        penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+        logits = torch.where(m.seen_tokens.to(device), penalized, logits)
+    if (m.output_token_counts is not None and m.frequency_penalty is not None
+            and m.presence_penalty is not None):
+        counts = m.output_token_counts.to(device)  # [R, V]
+        logits = (logits - m.frequency_penalty.to(device)[:, None] * counts
+                  - m.presence_penalty.to(device)[:, None] * (counts > 0))
+    if m.logit_bias is not None:
+        logits = logits + m.logit_bias.to(device)
+    if m.blocked_tokens is not None:
+        logits = logits.masked_fill(m.blocked_tokens.to(device), float("-inf"))
+    return logits
