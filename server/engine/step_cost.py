@@ -147,15 +147,6 @@ def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef / scale
 
 
-@dataclass(frozen=True)
-class StepCostStats:
-    """What the cost model has learned, for ``EngineStats`` and logs."""
-
-    num_observed: int  # measured steps seen (calibration included)
-    coefficients: tuple[float, ...]  # seconds per unit of each of ``FEATURES``
-    mean_abs_error_s: float  # |predicted - measured| over the window (0 before a fit)
-
-
 class StepCostModel:
     """An online least-squares model of step time (seconds) on a step's shape.
 
@@ -208,7 +199,54 @@ class StepCostModel:
     def coefficients(self) -> tuple[float, ...]:
         return tuple(float(c) for c in self._coef)
 
-    def stats(self) -> StepCostStats:
+    @property
+    def mean_abs_error_s(self) -> float:
+        """|predicted - measured| averaged over the window's steps (0.0 before any)."""
         errors = list(self._errors)
-        return StepCostStats(self.num_observed, self.coefficients,
-                             sum(errors) / len(errors) if errors else 0.0)
+        return sum(errors) / len(errors) if errors else 0.0
+
+
+@dataclass(frozen=True)
+class StepTimeStats:
+    """Measured against predicted step time, for ``EngineStats`` and metrics (totals since
+    start; a step is timed from scheduling to its outputs, detokenized)."""
+
+    num_steps: int = 0
+    seconds: float = 0.0  # measured, summed
+    predicted_seconds: float = 0.0  # the cost model's predictions of the same steps, summed
+    last_seconds: float = 0.0
+    last_predicted_seconds: float = 0.0
+    num_over_target: int = 0  # steps measured over target_itl_ms (0 when it is off)
+    mean_abs_error_s: float = 0.0  # over the model's window
+    coefficients: tuple[float, ...] = ()  # seconds per unit of each of ``FEATURES``
+
+
+class StepTimer:
+    """The engine's side of the cost model: each step's measured time against the prediction
+    the scheduler worked with, fed back into the model.
+
+    Args:
+        model: the model the scheduler predicts with.
+        target_s: the inter-token latency target in seconds (0: none).
+    """
+
+    def __init__(self, model: StepCostModel, target_s: float = 0.0) -> None:
+        self.model = model
+        self.target_s = target_s
+        self._stats = StepTimeStats()
+
+    def record(self, shape: StepShape, seconds: float) -> None:
+        """Count a step that ran; its prediction is taken before the model learns from it
+        (the model refits only here, so it is the one the scheduler used)."""
+        predicted = self.model.predict(shape)
+        self.model.observe(shape, seconds)
+        s = self._stats
+        self._stats = StepTimeStats(
+            s.num_steps + 1, s.seconds + seconds, s.predicted_seconds + predicted, seconds,
+            predicted, s.num_over_target + int(0 < self.target_s < seconds))
+
+    def stats(self) -> StepTimeStats:
+        s = self._stats
+        return StepTimeStats(s.num_steps, s.seconds, s.predicted_seconds, s.last_seconds,
+                             s.last_predicted_seconds, s.num_over_target,
+                             self.model.mean_abs_error_s, self.model.coefficients)

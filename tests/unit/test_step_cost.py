@@ -63,12 +63,12 @@ def test_model_learns_the_law_online():
     for _ in range(20):
         s = random_shape(rng)
         assert model.predict(s) == pytest.approx(law(s), rel=1e-6)
-    assert model.stats().num_observed == 40
-    assert model.stats().mean_abs_error_s > 1e-4  # the first guesses (0.0) were wrong
+    assert model.num_observed == 40
+    assert model.mean_abs_error_s > 1e-4  # the first guesses (0.0) were wrong
     for _ in range(64):  # a window later, only fitted predictions count
         s = random_shape(rng)
         model.observe(s, law(s))
-    assert model.stats().mean_abs_error_s < 1e-9
+    assert model.mean_abs_error_s < 1e-9
 
 
 def test_calibration_outlives_the_window():
