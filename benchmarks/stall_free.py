@@ -25,6 +25,7 @@ import os
 import sys
 import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -102,11 +103,13 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     path = model_path(args.model)
     config = ModelConfig.from_pretrained(path)
-    trace = generate_trace(TraceConfig(
+    trace_config = TraceConfig(
         num_requests=args.num_requests, rate=float("inf"), adapters="uniform", num_adapters=8,
         prompt_len=args.prompt_len, output_len=f"fixed:{args.output_len}",
-        vocab_size=min(config.vocab_size, 32000), seed=args.seed))
+        vocab_size=min(config.vocab_size, 32000), seed=args.seed)
+    trace = generate_trace(trace_config)
     trace.save(args.out / "trace.jsonl")
+    warmup = generate_trace(replace(trace_config, seed=args.seed + 1))  # other prompts
     root = env.cache_dir() / "loadtest" / f"adapters-stall-free-{Path(path).name}"
     for i in range(8):  # ranks 8 and 16, alternating; written once, then reused
         ensure_adapter_dirs(root, [adapter_name(i)], config, rank=8 if i % 2 == 0 else 16,
@@ -117,14 +120,17 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for target in targets:  # every server up before any measured run
             port = free_port()
-            serve = ["--target-itl-ms", str(target), "--min-prefill-chunk",
+            # no prefix caching: the interleaved rounds repeat the trace, and cached prompts
+            # would turn later rounds into decode-only runs
+            serve = ["--no-enable-prefix-caching", "--target-itl-ms", str(target),
+                     "--min-prefill-chunk",
                      str(args.min_prefill_chunk), "--num-pages", str(args.num_pages),
                      "--device", args.device, "--dtype", args.dtype, "--metrics-port",
                      str(port), "--max-rank", "16", *args.serve_args.split()]
             server = LocalServer(model=path if args.model == "bench" else args.model,
                                  serve_args=serve, startup_timeout_s=600.0).__enter__()
             servers[target] = (server, port)
-            GrpcTarget(server.address, adapters).run(trace, RunConfig(  # uploads all, warms up
+            GrpcTarget(server.address, adapters).run(warmup, RunConfig(  # uploads, warms up
                 mode="closed", concurrency=8, max_requests=8, progress=False))
         for rnd in range(args.rounds):
             for concurrency in concurrencies:
@@ -135,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
                                     max_duration_s=args.max_duration,
                                     drain_timeout_s=args.max_duration)
                     before, start = scrape(port), time.monotonic()
-                    log = GrpcTarget(server.address, adapters, upload=False).run(trace, run)
+                    log = GrpcTarget(server.address, adapters).run(trace, run)  # uploads none twice
                     wall = time.monotonic() - start
                     after = scrape(port)
                     d = {k: after[k] - before[k] for k in METRICS}
