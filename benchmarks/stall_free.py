@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
 def print_table(results: list[dict], targets: list[float]) -> None:
     on = [t for t in targets if t]
     print(f"\n{'target':>7} {'conc':>5} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
-          f"{'ITL p50':>8} {'ITL p99':>8} {'p99/p50':>8} {'steps>T':>8} "
+          f"{'ITL p50':>8} {'ITL p99':>8} {'ITL max':>8} {'p99/p50':>8} {'steps>T':>8} "
           + " ".join(f"{'ITL>' + format(t, 'g'):>8}" for t in on)
           + f" {'step ms':>8} {'pred/meas':>9} {'err':>4}")
     for r in results:
@@ -188,6 +188,7 @@ def print_table(results: list[dict], targets: list[float]) -> None:
         print(f"{r['target_itl_ms'] or 'off':>7} {r['concurrency']:>5} "
               f"{r['output_tokens_per_s']:>7.1f} {_ms(r['ttft_s']['p50']):>9} "
               f"{_ms(r['ttft_s']['p99']):>9} {_ms(itl['p50']):>8} {_ms(itl['p99']):>8} "
+              f"{_ms(itl['max']):>8} "
               f"{'-' if ratio is None else f'{ratio:.2f}':>8} "
               f"{_pct(r['steps_over_target']):>8} "
               + " ".join(f"{_pct(r['itl_over'][format(t, 'g')]):>8}" for t in on)
