@@ -66,7 +66,9 @@ class Scheduler:
                  gate: AdmissionGate | None = None,
                  prefix_cache: PrefixCache | None = None, cost: StepCost | None = None
                  ) -> None:
-        """Args:
+        """An empty scheduler (nothing waiting, nothing running).
+
+        Args:
             config: the limits (and ``target_itl_ms``).
             pager: the page pool requests' KV comes from.
             gate: what admission asks about adapters (the adapter manager), if any.
