@@ -72,6 +72,13 @@ class SchedulerConfig:
     tenant_weights: tuple[tuple[str, float], ...] = setting(
         (), "tenant=weight pairs, comma-separated (vtc): a tenant of weight 2 gets twice "
         "the service", parse=parse_tenant_weights, flag_default="", metavar="TENANT=W,...")
+    target_itl_ms: float = setting(
+        0.0, "inter-token latency target: decodes first, then only the prefill the step's "
+        "predicted time (an online cost model) leaves room for (0: off, the token budget "
+        "alone)", unit="milliseconds")
+    min_prefill_chunk: int = setting(
+        32, "with target_itl_ms: prompt tokens a step computes at least while prompts wait, "
+        "even past the target, so prefill never starves", unit="tokens")
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -83,6 +90,11 @@ class SchedulerConfig:
             raise ValueError("max_adapters_per_step: must be >= 0")
         if self.scheduling not in ("fcfs", "vtc"):
             raise ValueError(f"scheduling: {self.scheduling!r} is not fcfs or vtc")
+        if not 0 <= self.target_itl_ms < float("inf"):
+            raise ValueError(f"target_itl_ms: must be finite and >= 0 (0: off), got "
+                             f"{self.target_itl_ms}")
+        if self.min_prefill_chunk < 1:
+            raise ValueError(f"min_prefill_chunk: must be >= 1, got {self.min_prefill_chunk}")
         if self.vtc_input_weight < 0 or self.vtc_output_weight < 0:
             raise ValueError("vtc_input_weight / vtc_output_weight: must be >= 0")
         object.__setattr__(self, "tenant_weights", tuple(

@@ -186,6 +186,29 @@ class _EngineCollector(Collector):
             ratio.add_metric([tier], hits / (hits + misses) if hits + misses else 0.0)
         yield ratio
         yield from _prefix_metrics(s)
+        yield from _step_time_metrics(s)
+
+
+def _step_time_metrics(s: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """Engine steps measured against the step cost model's predictions (``target_itl_ms``):
+    their rates' ratio tells how well the model fits; ``steps_over_target`` how often the
+    target was missed."""
+    t = s.step_times
+    yield CounterMetricFamily("loraplex_worker_step_seconds",
+                              "Engine step time, scheduling to outputs, summed", value=t.seconds)
+    yield CounterMetricFamily("loraplex_worker_step_predicted_seconds",
+                              "The step cost model's predictions of the same steps, summed",
+                              value=t.predicted_seconds)
+    yield CounterMetricFamily("loraplex_worker_steps_over_target",
+                              "Steps measured over target_itl_ms", value=t.num_over_target)
+    last = GaugeMetricFamily("loraplex_worker_step_last_seconds",
+                             "The latest step's time, measured and predicted", labels=["kind"])
+    last.add_metric(["measured"], t.last_seconds)
+    last.add_metric(["predicted"], t.last_predicted_seconds)
+    yield last
+    yield GaugeMetricFamily("loraplex_worker_step_cost_error_seconds",
+                            "Mean |predicted - measured| step time over the model's window",
+                            value=t.mean_abs_error_s)
 
 
 def _prefix_metrics(s: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

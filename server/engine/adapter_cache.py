@@ -217,6 +217,15 @@ class AdapterManager:
         host = self._staged.get(digest)
         return host.layout.num_pages(self.page_elems) if host is not None else 0
 
+    def pages_to_load(self, request: Request) -> int:
+        """Pages admitting the request now would copy into the pool (0 when its adapter is
+        resident): the step cost model counts the copy."""
+        digest = request.adapter_digest
+        if digest is None or digest in self._resident:
+            return 0
+        host = self._staged.get(digest)
+        return host.layout.num_pages(self.page_elems) if host is not None else 0
+
     def acquire(self, request: Request) -> None:
         """Pin the request's adapter in the pool, copying it in from the host cache if needed."""
         digest = request.adapter_digest

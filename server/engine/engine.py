@@ -18,6 +18,7 @@ import torch
 from loraplex.kernels.layout import kv_page_elems
 from loraplex.server.config import EngineConfig
 from loraplex.server.engine.adapter_cache import AdapterManager, AdapterSource
+from loraplex.server.engine.calibration import calibrate
 from loraplex.server.engine.model_runner import ModelRunner
 from loraplex.server.engine.models.builtin import resolve_model_path
 from loraplex.server.engine.models.config import ModelConfig, parse_dtype
@@ -35,6 +36,7 @@ from loraplex.server.engine.request import (
 )
 from loraplex.server.engine.sampler import SamplingMetadata, sample
 from loraplex.server.engine.scheduler import Scheduler
+from loraplex.server.engine.step_cost import StepCostModel, StepTimer, StepTimeStats
 from loraplex.server.engine.tokenizer import Detokenizer, load_tokenizer
 from loraplex.server.engine.warmup import warm_up
 from loraplex.server.params import CHAT_ROLES, ChatMessages
@@ -66,6 +68,7 @@ class EngineStats:
     adapter_evictions: int = 0
     prefix_queried_tokens: dict[str, int] = field(default_factory=dict)  # by tenant
     prefix_hit_tokens: dict[str, int] = field(default_factory=dict)  # by tenant
+    step_times: StepTimeStats = StepTimeStats()  # measured against predicted step time
 
 
 class Engine:
@@ -108,8 +111,10 @@ class Engine:
         if config.enable_prefix_caching:
             self.prefix_cache = PrefixCache(self.pager, config.page_size, self.base_revision,
                                             config.share_prefix_across_tenants)
+        target_s = config.scheduler.target_itl_ms / 1000.0
+        self.step_timer = StepTimer(StepCostModel(), target_s)
         self.scheduler = Scheduler(config.scheduler, self.pager, self.adapters,
-                                   self.prefix_cache)
+                                   self.prefix_cache, cost=self.step_timer.model.predict)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -128,6 +133,9 @@ class Engine:
         self._num_steps = 0
         if self.device.type == "cuda" and kernels == "triton":
             self.warmup()
+        if target_s > 0:
+            calibrate(self.runner, self.pager, self.step_timer.model,
+                      config.scheduler.max_num_batched_tokens, self.max_model_len)
         logger.info("engine ready: %s, %s, %d pages of %d tokens, kernels=%s",
                     self.model_path, config.dtype, num_pages, config.page_size, kernels)
 
@@ -302,6 +310,7 @@ class Engine:
         if self.adapters is not None:
             outputs.extend(self._fail_unloadable())
             self.adapters.begin_step()
+        start = time.perf_counter()  # a step's time: scheduling to its outputs
         batch = self.scheduler.schedule()
         if not batch.requests:
             return outputs
@@ -336,6 +345,7 @@ class Engine:
                 rows.extend([i] * len(children))
                 sampling.extend(children)
         if not rows:
+            self.step_timer.record(batch.shape, time.perf_counter() - start)
             return outputs
         try:
             metadata = SamplingMetadata.from_requests(sampling, self.model_config.vocab_size,
@@ -356,6 +366,7 @@ class Engine:
                                                   result.logprobs[row]))
             except Exception as exc:
                 outputs.append(self._fail(req, f"internal error in postprocessing: {exc}"))
+        self.step_timer.record(batch.shape, time.perf_counter() - start)
         return outputs
 
     def _advance(self, req: Request, num_new_tokens: int, now: float) -> None:
@@ -469,4 +480,5 @@ class Engine:
                                  prefix_hit_tokens=p.hit_tokens)
         return EngineStats(self.scheduler.num_waiting, self.scheduler.num_running,
                            self.scheduler.num_preemptions, self.pager.stats(), self._num_steps,
-                           **adapter_fields, **prefix_fields)
+                           **adapter_fields, **prefix_fields,
+                           step_times=self.step_timer.stats())

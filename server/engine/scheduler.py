@@ -4,12 +4,16 @@ There is no prefill phase and no decode phase: every request has ``num_tokens`` 
 and ``num_computed_tokens`` of them in its KV pages, and each step closes part of that gap
 under a token budget. Running requests go first (so decodes never wait behind a long prompt),
 then waiting requests are admitted while the budget, the running cap and the pager allow.
+
+With an inter-token latency target (``target_itl_ms``) the budget is also one of time: each
+step's prefill is sized so that the step's predicted time (a cost model passed in as a
+function, ``step_cost.py``) stays within the target: stall-free batching as in Sarathi-Serve.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -18,6 +22,9 @@ from loraplex.server.engine.fairness import VirtualTokenCounter
 from loraplex.server.engine.pager import Pager
 from loraplex.server.engine.prefix_cache import PrefixCache
 from loraplex.server.engine.request import Request, RequestStatus
+from loraplex.server.engine.step_cost import StepShape, StepShapeBuilder
+
+StepCost = Callable[[StepShape], float]  # predicted seconds of a step of that shape
 
 
 class AdmissionGate(Protocol):
@@ -27,6 +34,8 @@ class AdmissionGate(Protocol):
     def ready(self, request: Request) -> bool: ...
 
     def pages_needed(self, request: Request) -> int: ...
+
+    def pages_to_load(self, request: Request) -> int: ...
 
     def acquire(self, request: Request) -> None: ...
 
@@ -43,6 +52,7 @@ class ScheduledBatch:
     # (source, destination) KV pages the runner copies, in every layer, before the forward
     # pass: a sequence's first write into a page it shares with its siblings.
     page_copies: list[tuple[int, int]] = field(default_factory=list)
+    shape: StepShape = StepShape()  # what its time is predicted from (step_cost.py)
 
     @property
     def num_tokens(self) -> int:
@@ -57,8 +67,23 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, pager: Pager,
                  gate: AdmissionGate | None = None,
-                 prefix_cache: PrefixCache | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None, cost: StepCost | None = None
+                 ) -> None:
+        """An empty scheduler (nothing waiting, nothing running).
+
+        Args:
+            config: the limits (and ``target_itl_ms``).
+            pager: the page pool requests' KV comes from.
+            gate: what admission asks about adapters (the adapter manager), if any.
+            prefix_cache: full KV pages reused across requests, if any.
+            cost: predicted seconds of a step of a given shape (``StepCostModel.predict``);
+                with ``target_itl_ms`` it sizes each step's prefill. The scheduler itself
+                reads no clock.
+        """
         self.config = config
+        self._cost = cost
+        self._target = (config.target_itl_ms / 1000.0
+                        if config.target_itl_ms > 0 and cost is not None else None)
         self.pager = pager
         self.gate = gate
         self.prefix_cache = prefix_cache
@@ -115,22 +140,99 @@ class Scheduler:
             n = min(n, self.config.long_prefill_token_threshold)
         return n
 
+    def _decoding(self, request: Request) -> bool:
+        # Past its prompt: a decode row (one token, or verification / n > 1 rows), which the
+        # target always lets advance; everything before is prefill, which it sizes.
+        return request.num_computed_tokens >= request.num_prompt_tokens
+
+    def _fit(self, shape: StepShapeBuilder, req: Request, n: int, prefilled: bool,
+             pages_loaded: int) -> int:
+        """The largest chunk of at most ``n`` tokens that keeps the step's predicted time
+        within the target; the step's first prefill chunk gets at least the minimum chunk,
+        a later one that minimum or nothing."""
+        if self._target is None or self._cost is None or n <= 0:
+            return n
+        cost, target = self._cost, self._target
+        num_computed, digest = req.num_computed_tokens, req.adapter_digest
+
+        def fits(k: int) -> bool:
+            return cost(shape.with_row(num_computed, k, False, digest, pages_loaded)) <= target
+
+        if fits(n):
+            return n
+        lo, hi = 0, n  # the prediction grows with the chunk: bisect for the last that fits
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        floor = min(n, self.config.min_prefill_chunk)
+        if not prefilled:
+            return max(lo, floor)
+        return lo if lo >= floor else 0
+
     def schedule(self) -> ScheduledBatch:
-        """Pick this step's batch, allocating the pages it needs."""
+        """Pick this step's batch, allocating the pages it needs.
+
+        Running requests go first, in admission order, each its next chunk under the token
+        budget (``max_num_batched_tokens``); then waiting requests are admitted while the
+        budget, ``max_num_seqs`` and the pager allow. Under page pressure the newest running
+        request is preempted (recompute), and nothing is admitted that step.
+
+        With ``target_itl_ms`` (and a cost model), every decode row (a running request past
+        its prompt) advances as above, its tokens held out of the budget for it; prefill
+        chunks (running prompts, then admissions) get only the tokens for which the step's
+        predicted time stays within the target. The step's first prefill chunk always gets
+        at least ``min_prefill_chunk`` tokens (or its remainder), so a step exceeds the
+        target only by its decodes or by that one minimum chunk.
+
+        The TTFT bound: while prompts wait, every step computes at least ``m =
+        min_prefill_chunk`` prompt tokens, first of the running prompts then of the queue's
+        head (FCFS), so a request reaches its first token within ``sum over j of
+        ceil(P_j / m)`` steps, ``P_j`` being the prompt tokens still to compute of itself and
+        of every request ahead of it, as long as the decodes leave room in the token budget
+        and the pager and ``max_num_seqs`` admit it (preemption restarts the count).
+        """
         budget = self.config.max_num_batched_tokens
         scheduled: list[Request] = []
         counts: list[int] = []
         preempted: list[Request] = []
         copies: list[tuple[int, int]] = []
+        shape = StepShapeBuilder()
+        sizing = self._target is not None
+        # decode rows not visited yet, with the tokens held for them (target only)
+        held: dict[str, tuple[Request, int]] = {}
+        if sizing:
+            for req in self.running:
+                if self._decoding(req):
+                    n = self._chunk(req, budget)
+                    held[req.request_id] = (req, n)
+                    shape.add(req.num_computed_tokens, n, True, req.adapter_digest)
+        reserved = sum(n for _, n in held.values())
+        prefilled = False
+
+        def unhold(req: Request) -> int:
+            nonlocal reserved
+            _, n = held.pop(req.request_id)
+            reserved -= n
+            shape.remove(req.num_computed_tokens, n, True, req.adapter_digest)
+            return n
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._chunk(req, budget)
+            decode = self._decoding(req)
+            if req.request_id in held:
+                n = min(unhold(req), budget)
+            else:
+                n = self._fit(shape, req, self._chunk(req, budget - reserved), prefilled, 0)
+                if n <= 0:
+                    i += 1  # no room for this prompt's chunk; the decodes behind it still go
+                    continue
             need = self._pages_for(req, req.num_computed_tokens + n)
             shared = self._shared_tail(req)
             while not self.pager.can_allocate(need + (shared is not None)):
                 victim = self.running.pop()  # the newest running request
+                if victim.request_id in held:
+                    unhold(victim)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
@@ -143,11 +245,15 @@ class Scheduler:
                     copies.append((req.page_ids[shared], fresh))
                     req.page_ids[shared] = fresh
             req.page_ids.extend(self.pager.allocate(need))
+            shape.add(req.num_computed_tokens, n, decode, req.adapter_digest)
+            prefilled = prefilled or not decode
             self._charge(req, n)
             scheduled.append(req)
             counts.append(n)
             budget -= n
             i += 1
+        for req, _ in list(held.values()):
+            unhold(req)  # the budget ran out before them
 
         passed: set[str] = set()  # waiting requests passed over this step, keeping their place
         cap = self.config.max_adapters_per_step
@@ -166,10 +272,11 @@ class Scheduler:
             matched = self.prefix_cache.match(req) if self.prefix_cache is not None else []
             req.page_ids = matched
             req.num_computed_tokens = len(matched) * self.config.page_size
-            n = self._chunk(req, budget)
+            loaded = self.gate.pages_to_load(req) if self.gate is not None else 0
+            n = self._fit(shape, req, self._chunk(req, budget), prefilled, loaded)
             need = self._pages_for(req, req.num_computed_tokens + n)
             extra = self.gate.pages_needed(req) if self.gate is not None else 0
-            if not self.pager.can_allocate(need + extra):
+            if n <= 0 or not self.pager.can_allocate(need + extra):
                 if matched:
                     self.pager.free(matched[::-1])  # last first, as _release does
                     req.page_ids, req.num_computed_tokens = [], 0
@@ -184,11 +291,14 @@ class Scheduler:
             self.running.append(req)
             if cap and digest:
                 active.add(digest)
+            decode = self._decoding(req)
+            shape.add(req.num_computed_tokens, n, decode, digest, loaded)
+            prefilled = prefilled or not decode
             self._charge(req, n)  # at once, so the next pick sees this admission
             scheduled.append(req)
             counts.append(n)
             budget -= n
-        return ScheduledBatch(scheduled, counts, preempted, copies)
+        return ScheduledBatch(scheduled, counts, preempted, copies, shape.shape())
 
     def _shared_tail(self, request: Request) -> int | None:
         """The index of the partly filled page the request writes next, when siblings share

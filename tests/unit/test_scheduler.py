@@ -144,6 +144,9 @@ class StubGate:
     def pages_needed(self, request):
         return 0
 
+    def pages_to_load(self, request):
+        return 0
+
     def acquire(self, request):
         self.acquired.append(request.request_id)
 
