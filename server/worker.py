@@ -195,6 +195,9 @@ def request_failure(out: RequestOutput) -> ServiceError | None:
         # request's KV: the request's error, not the worker's. A store outage lands here too;
         # the gateway reads the same store and would see it first (UNAVAILABLE there).
         return ServiceError(grpc.StatusCode.FAILED_PRECONDITION, error, cause="adapter")
+    if error.startswith("structured"):
+        # The request's grammar does not compile, compiles too slowly, or can never be met.
+        return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, error, cause="grammar")
     if error.startswith("sampling"):
         return ServiceError(grpc.StatusCode.INTERNAL, error, cause="numerics")
     return ServiceError(grpc.StatusCode.INTERNAL, error, cause="internal")

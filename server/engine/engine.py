@@ -33,6 +33,7 @@ from loraplex.server.engine.request import (
 )
 from loraplex.server.engine.sampler import SamplingMetadata, sample
 from loraplex.server.engine.scheduler import Scheduler
+from loraplex.server.engine.structured import GrammarService, no_token_error
 from loraplex.server.engine.tokenizer import Detokenizer, load_tokenizer
 from loraplex.server.engine.warmup import warm_up
 from loraplex.server.params import CHAT_ROLES, ChatMessages
@@ -115,6 +116,12 @@ class Engine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.grammars: GrammarService | None = None  # structured output (needs a tokenizer)
+        if self.tokenizer is not None:
+            stops = eos | {t for t in (self.tokenizer.end_of_turn_id,) if t is not None}
+            self.grammars = GrammarService(self.tokenizer, self.model_config.vocab_size, stops,
+                                           config.grammar_compile_timeout,
+                                           config.grammar_cache_bytes)
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, Detokenizer] = {}
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
@@ -199,6 +206,11 @@ class Engine:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
         req = Request(request_id, token_ids, params, adapter_digest=adapter_digest,
                       tenant=tenant, generator=torch.Generator().manual_seed(seed))
+        if params.structured is not None:
+            if self.grammars is None:
+                raise ValueError("structured: this model has no tokenizer to compile the "
+                                 "grammar against")
+            req.grammar = self.grammars.submit(params.structured)  # compiles off this thread
         self._requests[request_id] = req
         self._detok[request_id] = Detokenizer(self.tokenizer, req)
         self._inbox.put(("add", req))
@@ -257,6 +269,7 @@ class Engine:
         if self.adapters is not None:
             outputs.extend(self._fail_unloadable())
             self.adapters.begin_step()
+        outputs.extend(self._fail_grammars())
         batch = self.scheduler.schedule()
         if not batch.requests:
             return outputs
@@ -280,8 +293,13 @@ class Engine:
         if not rows:
             return outputs
         sampling = [run.sampling_requests[i] for i in rows]
+        dead: set[int] = set()  # rows whose grammar allows no token
         try:
-            result = sample(run.logits[rows], SamplingMetadata.from_requests(sampling))
+            metadata = SamplingMetadata.from_requests(sampling)
+            if self.grammars is not None:
+                bitmask, dead = self.grammars.bitmask(sampling)
+                metadata = replace(metadata, allowed_token_bitmask=bitmask)
+            result = sample(run.logits[rows], metadata)
         except Exception as exc:  # a bug in the sampler: this batch's sampling requests fail
             logger.exception("sampling failed")
             for req in sampling:
@@ -290,11 +308,16 @@ class Engine:
         failed = set(result.failed_rows)
         for row, req in enumerate(sampling):
             if row in failed:
-                outputs.append(self._fail(req, SAMPLING_FAILED, log=False))
+                error = SAMPLING_FAILED
+                if row in dead and req.grammar is not None:
+                    error = no_token_error(req.grammar.spec)
+                outputs.append(self._fail(req, error, log=False))
                 continue
             try:
-                outputs.append(self._append_token(req, result.token_ids[row],
-                                                  result.logprobs[row]))
+                out = self._append_token(req, result.token_ids[row], result.logprobs[row])
+                if req.grammar is not None and not out.finished:
+                    out = self._jump_forward(req, out)
+                outputs.append(out)
             except Exception as exc:
                 outputs.append(self._fail(req, f"internal error in postprocessing: {exc}"))
         return outputs
@@ -324,7 +347,9 @@ class Engine:
             req.logprobs.append(lp)
         params = req.params
         status = None
-        if (token in params.stop_token_ids
+        if req.grammar is not None and req.grammar.accept(req, token):
+            status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
+        elif (token in params.stop_token_ids
                 or (not params.ignore_eos and token in self.eos_token_ids)):
             status = RequestStatus.FINISHED_STOPPED
         elif (req.num_output_tokens >= params.max_tokens
@@ -340,6 +365,45 @@ class Engine:
                                  num_prompt_tokens=req.num_prompt_tokens,
                                  num_output_tokens=req.num_output_tokens)
         return self._finish(req, status, text, [token], [lp] if lp is not None else [])
+
+    def _jump_forward(self, req: Request, out: RequestOutput) -> RequestOutput:
+        """Exact jump-forward: append the tokens ``req``'s grammar forces (one allowed token
+        each) without a model call; the scheduler computes them as one chunk next step.
+
+        Identical to sampling them: a one-token mask leaves greedy and sampled rows no other
+        choice, and a sampled row's generator draws once per forced token as it would have
+        (seeded outputs stay the same). Requests asking for logprobs are not jumped (a forced
+        token's logprob needs the model's logits)."""
+        grammar = req.grammar
+        if (grammar is None or self.grammars is None or self.config.jump_forward == "off"
+                or req.params.logprobs is not None):
+            return out
+        vocab = self.model_config.vocab_size
+        while not out.finished:
+            token = grammar.forced_token(req, vocab)
+            if token is None:
+                return out
+            if not req.params.greedy and req.generator is not None:
+                onehot = torch.zeros(vocab)
+                onehot[token] = 1.0
+                torch.multinomial(onehot, 1, generator=req.generator)
+            self.grammars.num_jumped_tokens += 1
+            nxt = self._append_token(req, token, None)
+            out = replace(nxt, new_token_ids=out.new_token_ids + nxt.new_token_ids,
+                          new_text=out.new_text + nxt.new_text)
+        return out
+
+    def _fail_grammars(self) -> list[RequestOutput]:
+        """Waiting requests whose grammar failed to compile, or compiles for too long, fail
+        alone with the reason (``structured.*``: the worker's INVALID_ARGUMENT)."""
+        now = time.monotonic()
+        outputs = []
+        for req in list(self.scheduler.waiting):
+            error = req.grammar.poll(now) if req.grammar is not None else None
+            if error is not None:
+                req.error = error
+                outputs.append(self._finish(req, RequestStatus.FINISHED_ERROR, ""))
+        return outputs
 
     def _finish(self, req: Request, status: RequestStatus, text: str,
                 new_token_ids: list[int] | None = None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from loraplex.server.params import (
     SamplingParams,
     TokenLogprob,
 )
+
+if TYPE_CHECKING:
+    from loraplex.server.engine.structured import GrammarState
 
 __all__ = ["MAX_LOGPROBS", "MAX_STOP_STRINGS", "MAX_STOP_STRING_LEN", "MIN_TEMPERATURE",
            "Request", "RequestOutput", "RequestStatus", "SamplingParams", "TokenLogprob"]
@@ -62,6 +66,7 @@ class Request:
     error: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     generator: torch.Generator | None = None
+    grammar: GrammarState | None = None  # structured output: its compiled grammar and matcher
 
     @property
     def all_token_ids(self) -> list[int]:
