@@ -42,6 +42,7 @@ import xgrammar as xgr
 from loraplex.server.engine.request import Request
 from loraplex.server.engine.sampler import unpack_bitmask
 from loraplex.server.engine.tokenizer import Tokenizer
+from loraplex.server.engine.utf8_filter import START, Utf8Filter
 from loraplex.server.params import StructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,8 @@ class GrammarState:
         self.compiled: Any = None
         self.error: str | None = None
         self.compile_started: float | None = None  # set by the compile thread
+        self.utf8: Utf8Filter | None = None  # set with ``compiled``
+        self._utf8_state = START
         self._matcher: Any = None
         self._num_preemptions = 0
 
@@ -117,10 +120,12 @@ class GrammarState:
         if self._matcher is None or self._num_preemptions != req.num_preemptions:
             # Recomputed (or first use): replay the request's tokens through a fresh matcher.
             matcher = xgr.GrammarMatcher(self.compiled)
+            self._utf8_state = START
             for token in req.output_token_ids:
                 if not matcher.accept_token(token):
                     raise ValueError(f"structured.{self.spec.kind}: replaying token {token} "
                                      "was refused by the grammar")
+                self._advance_utf8(token)
             self._matcher = matcher
             self._num_preemptions = req.num_preemptions
         return self._matcher
@@ -128,6 +133,8 @@ class GrammarState:
     def fill(self, req: Request, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into ``bitmask[row]`` (``[R, ceil(V / 32)]`` int32)."""
         self._matcher_for(req).fill_next_token_bitmask(bitmask, row)
+        if self.utf8 is not None:
+            bitmask[row] &= self.utf8.masks[self._utf8_state]
 
     def accept(self, req: Request, token: int) -> bool:
         """Advance the matcher with ``token`` (just appended to ``req``'s outputs); True when
@@ -138,7 +145,13 @@ class GrammarState:
         elif not self._matcher.accept_token(token):
             raise ValueError(f"structured.{self.spec.kind}: token {token} was refused by the "
                              "grammar")
+        else:
+            self._advance_utf8(token)
         return bool(self._matcher.is_terminated())
+
+    def _advance_utf8(self, token: int) -> None:
+        if self.utf8 is not None:
+            self._utf8_state = self.utf8.advance(self._utf8_state, token)
 
     def forced_token(self, req: Request, vocab_size: int) -> int | None:
         """The one token the grammar allows next, or None when it allows several (or none)."""
@@ -168,6 +181,7 @@ class GrammarService:
         self.timeout = timeout
         self.cache = GrammarCache(cache_bytes)
         self._compiler: Any = None
+        self.utf8: Utf8Filter | None = None  # built with the compiler
         self._compiler_lock = threading.Lock()
         self._inflight: dict[tuple, list[GrammarState]] = {}
         self._inflight_lock = threading.Lock()
@@ -181,7 +195,7 @@ class GrammarService:
         state = GrammarState(spec, self.timeout)
         compiled = self.cache.get(spec.key)
         if compiled is not None:
-            state.compiled = compiled
+            state.utf8, state.compiled = self.utf8, compiled
             return state
         with self._inflight_lock:
             waiters = self._inflight.get(spec.key)
@@ -212,7 +226,8 @@ class GrammarService:
             self.num_compiles += 1
             self.num_compile_failures += error is not None
             for state in self._inflight.pop(spec.key, []):
-                state.error, state.compiled = error, compiled
+                # ``compiled`` last: once it is set the engine thread may use the state.
+                state.error, state.utf8, state.compiled = error, self.utf8, compiled
 
     def _compile_spec(self, spec: StructuredOutput) -> Any:
         compiler = self._get_compiler()
@@ -232,9 +247,13 @@ class GrammarService:
         # while, and the engine serves free requests meanwhile.
         with self._compiler_lock:
             if self._compiler is None:
+                hf = self.tokenizer.for_this_thread()
                 info = xgr.TokenizerInfo.from_huggingface(
-                    self.tokenizer.for_this_thread(), vocab_size=self.vocab_size,
-                    stop_token_ids=self.stop_token_ids)
+                    hf, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
+                special = {*info.special_token_ids, *getattr(hf, "all_special_ids", ()),
+                           *getattr(hf, "added_tokens_decoder", {})}
+                self.utf8 = Utf8Filter(info.decoded_vocab, self.stop_token_ids,
+                                       sorted(special))
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
 
@@ -259,7 +278,8 @@ def bounded_strings_as_patterns(schema: Any) -> Any:
     format) turned into the same bounds on a pattern of unescaped JSON string characters.
 
     xgrammar 0.2.8 compiles a length-bounded string to ``[^"\\\r\n]{0,n}``, which lets raw
-    control characters (invalid in JSON) through; its patterns exclude them here.
+    control characters (invalid in JSON) through, and its negated classes admit UTF-8-encoded
+    surrogates (which decode to three U+FFFD, breaking the length); the pattern excludes both.
     """
     if isinstance(schema, list):
         return [bounded_strings_as_patterns(s) for s in schema]
@@ -270,7 +290,7 @@ def bounded_strings_as_patterns(schema: Any) -> Any:
     if (out.get("type") == "string" and bounded
             and not {"pattern", "format", "enum", "const"} & out.keys()):
         low, high = out.pop("minLength", 0), out.pop("maxLength", "")
-        out["pattern"] = rf'^[^"\\\x00-\x1f]{{{low},{high}}}$'
+        out["pattern"] = rf'^[^"\\\x00-\x1f\ud800-\udfff]{{{low},{high}}}$'
     return out
 
 

@@ -248,3 +248,24 @@ def test_compiled_grammars_are_cached_per_engine(setup):
 def test_oversized_or_malformed_constraints_are_refused(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         StructuredOutput(**kwargs)
+
+
+def test_sampled_outputs_are_well_formed_utf8(setup):
+    """xgrammar alone admits byte tokens that are not UTF-8 (overlong forms, surrogates),
+    which decode to U+FFFD; the UTF-8 filter keeps every constrained output well-formed."""
+    model, adapters = setup
+    engine = make_engine(model, adapters)
+    specs = [StructuredOutput("regex", "[^a]{6}"),
+             StructuredOutput("json_schema", json.dumps({"type": "string", "maxLength": 6}))]
+    requests = [(f"r{i}", "x", SamplingParams(max_tokens=40, temperature=1.0, seed=i,
+                                              structured=specs[i % 2]), None)
+                for i in range(40)]
+    results = run(engine, requests)
+    for tokens, text, out in results.values():
+        assert out.finish_reason == "stop", out.error
+        assert "\ufffd" not in text, (text, tokens)
+        assert all(t < 256 for t in tokens[:-1]), tokens  # bytes only, then the stop token
+        assert bytes(tokens[:-1]).decode("utf-8") == text
+    texts = [results[f"r{i}"][1] for i in range(0, 40, 2)]
+    assert [t for t in texts if not re.fullmatch("[^a]{6}", t, re.DOTALL)] == []
+    assert any(max(t.encode()) >= 0x80 for t in texts)  # multi-byte characters were drawn
