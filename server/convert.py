@@ -53,7 +53,7 @@ from loraplex.server.api import (
     WorkerRequest,
     WorkerStatus,
 )
-from loraplex.server.params import SamplingParams, TokenLogprob
+from loraplex.server.params import SamplingParams, StructuredOutput, TokenLogprob
 from loraplex.server.quote import cap_message
 from loraplex.v1 import (
     adapters_pb2,
@@ -82,7 +82,32 @@ def sampling_params_from_pb(m: generation_pb2.SamplingParams) -> SamplingParams:
         top_p=m.top_p if m.HasField("top_p") else _DEFAULT_PARAMS.top_p,
         seed=m.seed if m.HasField("seed") else None,
         stop_token_ids=tuple(m.stop_token_ids), stop=tuple(m.stop), ignore_eos=m.ignore_eos,
-        logprobs=m.logprobs if m.HasField("logprobs") else None)
+        logprobs=m.logprobs if m.HasField("logprobs") else None,
+        structured=structured_from_pb(m.structured) if m.HasField("structured") else None)
+
+
+def structured_from_pb(m: generation_pb2.StructuredOutput) -> StructuredOutput:
+    """Raises ``ValueError`` for an empty constraint or one over the bounds."""
+    which = m.WhichOneof("constraint")
+    if which is None:
+        raise ValueError("structured: set one of json_schema, json_object, regex, choice or "
+                         "grammar")
+    if which == "json_object":
+        if not m.json_object:
+            raise ValueError("structured.json_object: must be true when set")
+        return StructuredOutput("json_object")
+    if which == "choice":
+        return StructuredOutput("choice", choices=tuple(m.choice.choices))
+    return StructuredOutput(which, getattr(m, which))
+
+
+def structured_to_pb(s: StructuredOutput) -> generation_pb2.StructuredOutput:
+    if s.kind == "json_object":
+        return generation_pb2.StructuredOutput(json_object=True)
+    if s.kind == "choice":
+        return generation_pb2.StructuredOutput(
+            choice=generation_pb2.Choices(choices=list(s.choices)))
+    return generation_pb2.StructuredOutput(**{s.kind: s.value})
 
 
 def sampling_params_to_pb(p: SamplingParams) -> generation_pb2.SamplingParams:
@@ -93,6 +118,8 @@ def sampling_params_to_pb(p: SamplingParams) -> generation_pb2.SamplingParams:
         m.seed = p.seed
     if p.logprobs is not None:
         m.logprobs = p.logprobs
+    if p.structured is not None:
+        m.structured.CopyFrom(structured_to_pb(p.structured))
     return m
 
 

@@ -2,8 +2,9 @@
 
 A body is bounded before it is parsed (bytes, JSON nesting), then validated strictly against
 the models below: unknown fields, wrong types and parameters loraplex does not implement yet
-(``n > 1``, penalties, ``logit_bias``, ``response_format``, ``tools``...) are 400 naming the
-parameter, never silently ignored. Defaults are OpenAI's (``temperature`` 1, completions
+(``n > 1``, penalties, ``logit_bias``, ``tools``...) are 400 naming the parameter, never
+silently ignored. ``response_format`` and vLLM's ``guided_*`` fields map to a structured-output
+constraint (``server/http/structured.py``). Defaults are OpenAI's (``temperature`` 1, completions
 ``max_tokens`` 16), not the gRPC API's.
 """
 
@@ -16,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from loraplex.server.api import ChatMessage, ChatMessages, GenerateRequest
 from loraplex.server.engine.request import SamplingParams
+from loraplex.server.http.structured import StructuredError, structured_output
+from loraplex.server.params import StructuredOutput
 
 MAX_JSON_DEPTH = 32
 MAX_PROMPTS = 64
@@ -72,6 +75,10 @@ class _Common(_Strict):
     top_k: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionBody(_Common):
@@ -161,7 +168,17 @@ def _refuse_unsupported(body: _Common, extra: dict[str, Any]) -> None:
             raise BadRequest(f"{name}: not supported by this server yet", param=name)
 
 
-def _params(body: _Common, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _structured(body: _Common, response_format: dict[str, Any] | None
+                ) -> StructuredOutput | None:
+    try:
+        return structured_output(response_format, body.guided_json, body.guided_regex,
+                                 body.guided_choice, body.guided_grammar)
+    except StructuredError as exc:
+        raise BadRequest(str(exc), param=exc.param) from None
+
+
+def _params(body: _Common, max_tokens: int, logprobs: int | None,
+            response_format: dict[str, Any] | None = None) -> SamplingParams:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     fields: dict[str, Any] = {
         "max_tokens": max_tokens,
@@ -170,7 +187,8 @@ def _params(body: _Common, max_tokens: int, logprobs: int | None) -> SamplingPar
         "top_p": 1.0 if body.top_p is None else body.top_p,
         "top_k": body.top_k or 0, "seed": body.seed, "stop": stop,
         "stop_token_ids": tuple(body.stop_token_ids or ()),
-        "ignore_eos": bool(body.ignore_eos), "logprobs": logprobs}
+        "ignore_eos": bool(body.ignore_eos), "logprobs": logprobs,
+        "structured": _structured(body, response_format)}
     try:
         return SamplingParams(**fields)
     except ValueError as exc:
@@ -219,9 +237,7 @@ def chat_request(doc: Any, default_max_tokens: int, request_id: str = ""
         BadRequest: naming the parameter.
     """
     body: ChatBody = _validate(ChatBody, doc)
-    response_format = (body.response_format or {}).get("type", "text")
     _refuse_unsupported(body, {
-        "response_format": response_format != "text",
         "tools": bool(body.tools),
         "tool_choice": body.tool_choice not in (None, "none", "auto")})
     if not body.messages:
@@ -239,7 +255,8 @@ def chat_request(doc: Any, default_max_tokens: int, request_id: str = ""
             raise BadRequest(f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}]",
                              param="top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = _params(body, default_max_tokens if max_tokens is None else max_tokens, logprobs)
+    params = _params(body, default_max_tokens if max_tokens is None else max_tokens, logprobs,
+                     body.response_format)
     # OpenAI's "developer" messages are what chat templates know as "system" ones.
     messages = ChatMessages(tuple(
         ChatMessage(role="system" if m.role == "developer" else m.role,

@@ -24,37 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cloraplex/v1/generation.proto\x12\x0bloraplex.v1\"\xf4\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x03\x88\x01\x01\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.loraplex.v1.ChatMessage\"\xd8\x01\n\x0fGenerateRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.loraplex.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x06 \x01(\x0b\x32\x19.loraplex.v1.ChatMessagesH\x00\x12+\n\x06params\x18\x04 \x01(\x0b\x32\x1b.loraplex.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.loraplex.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"L\n\x06Timing\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x14\n\x0cttft_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\"\xeb\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.loraplex.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.loraplex.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.loraplex.v1.Usage\x12#\n\x06timing\x18\x07 \x01(\x0b\x32\x13.loraplex.v1.Timing\"\xee\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.loraplex.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.loraplex.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.loraplex.v1.Usage\x12#\n\x06timing\x18\x07 \x01(\x0b\x32\x13.loraplex.v1.Timing*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xa3\x01\n\nGeneration\x12G\n\x08Generate\x12\x1c.loraplex.v1.GenerateRequest\x1a\x1d.loraplex.v1.GenerateResponse\x12L\n\x0eGenerateStream\x12\x1c.loraplex.v1.GenerateRequest\x1a\x1a.loraplex.v1.GenerateChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cloraplex/v1/generation.proto\x12\x0bloraplex.v1\"\xa7\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x03\x88\x01\x01\x12\x31\n\nstructured\x18\x14 \x01(\x0b\x32\x1d.loraplex.v1.StructuredOutputB\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"\x9a\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x14.loraplex.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.loraplex.v1.ChatMessage\"\xd8\x01\n\x0fGenerateRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.loraplex.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x06 \x01(\x0b\x32\x19.loraplex.v1.ChatMessagesH\x00\x12+\n\x06params\x18\x04 \x01(\x0b\x32\x1b.loraplex.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.loraplex.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"L\n\x06Timing\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x14\n\x0cttft_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\"\xeb\x01\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.loraplex.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.loraplex.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.loraplex.v1.Usage\x12#\n\x06timing\x18\x07 \x01(\x0b\x32\x13.loraplex.v1.Timing\"\xee\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.loraplex.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.loraplex.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.loraplex.v1.Usage\x12#\n\x06timing\x18\x07 \x01(\x0b\x32\x13.loraplex.v1.Timing*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xa3\x01\n\nGeneration\x12G\n\x08Generate\x12\x1c.loraplex.v1.GenerateRequest\x1a\x1d.loraplex.v1.GenerateResponse\x12L\n\x0eGenerateStream\x12\x1c.loraplex.v1.GenerateRequest\x1a\x1a.loraplex.v1.GenerateChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'loraplex.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1419
-  _globals['_FINISHREASON']._serialized_end=1514
+  _globals['_FINISHREASON']._serialized_start=1655
+  _globals['_FINISHREASON']._serialized_end=1750
   _globals['_SAMPLINGPARAMS']._serialized_start=46
-  _globals['_SAMPLINGPARAMS']._serialized_end=290
-  _globals['_TOKENIDS']._serialized_start=292
-  _globals['_TOKENIDS']._serialized_end=315
-  _globals['_CHATMESSAGE']._serialized_start=317
-  _globals['_CHATMESSAGE']._serialized_end=361
-  _globals['_CHATMESSAGES']._serialized_start=363
-  _globals['_CHATMESSAGES']._serialized_end=421
-  _globals['_GENERATEREQUEST']._serialized_start=424
-  _globals['_GENERATEREQUEST']._serialized_end=640
-  _globals['_TOPLOGPROB']._serialized_start=642
-  _globals['_TOPLOGPROB']._serialized_end=689
-  _globals['_TOKENLOGPROB']._serialized_start=691
-  _globals['_TOKENLOGPROB']._serialized_end=778
-  _globals['_USAGE']._serialized_start=780
-  _globals['_USAGE']._serialized_end=860
-  _globals['_TIMING']._serialized_start=862
-  _globals['_TIMING']._serialized_end=938
-  _globals['_GENERATECHUNK']._serialized_start=941
-  _globals['_GENERATECHUNK']._serialized_end=1176
-  _globals['_GENERATERESPONSE']._serialized_start=1179
-  _globals['_GENERATERESPONSE']._serialized_end=1417
-  _globals['_GENERATION']._serialized_start=1517
-  _globals['_GENERATION']._serialized_end=1680
+  _globals['_SAMPLINGPARAMS']._serialized_end=341
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=344
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=498
+  _globals['_CHOICES']._serialized_start=500
+  _globals['_CHOICES']._serialized_end=526
+  _globals['_TOKENIDS']._serialized_start=528
+  _globals['_TOKENIDS']._serialized_end=551
+  _globals['_CHATMESSAGE']._serialized_start=553
+  _globals['_CHATMESSAGE']._serialized_end=597
+  _globals['_CHATMESSAGES']._serialized_start=599
+  _globals['_CHATMESSAGES']._serialized_end=657
+  _globals['_GENERATEREQUEST']._serialized_start=660
+  _globals['_GENERATEREQUEST']._serialized_end=876
+  _globals['_TOPLOGPROB']._serialized_start=878
+  _globals['_TOPLOGPROB']._serialized_end=925
+  _globals['_TOKENLOGPROB']._serialized_start=927
+  _globals['_TOKENLOGPROB']._serialized_end=1014
+  _globals['_USAGE']._serialized_start=1016
+  _globals['_USAGE']._serialized_end=1096
+  _globals['_TIMING']._serialized_start=1098
+  _globals['_TIMING']._serialized_end=1174
+  _globals['_GENERATECHUNK']._serialized_start=1177
+  _globals['_GENERATECHUNK']._serialized_end=1412
+  _globals['_GENERATERESPONSE']._serialized_start=1415
+  _globals['_GENERATERESPONSE']._serialized_end=1653
+  _globals['_GENERATION']._serialized_start=1753
+  _globals['_GENERATION']._serialized_end=1916
 # @@protoc_insertion_point(module_scope)
