@@ -2,15 +2,17 @@
 
 A body is bounded before it is parsed (bytes, JSON nesting), then validated strictly against
 the models below: unknown fields, wrong types and parameters loraplex does not implement yet
-(``n > 1``, penalties, ``logit_bias``, ``tools``...) are 400 naming the parameter, never
-silently ignored. ``response_format`` and vLLM's ``guided_*`` fields map to a structured-output
-constraint (``server/http/structured.py``). Defaults are OpenAI's (``temperature`` 1, completions
+(``n > 1``, penalties, ``logit_bias``...) are 400 naming the parameter, never silently
+ignored. ``response_format`` and vLLM's ``guided_*`` fields map to a structured-output
+constraint (``server/http/structured.py``), and so do ``tools`` with ``tool_choice``
+(``server/http/tools.py``). Defaults are OpenAI's (``temperature`` 1, completions
 ``max_tokens`` 16), not the gRPC API's.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -18,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from loraplex.server.api import ChatMessage, ChatMessages, GenerateRequest
 from loraplex.server.engine.request import SamplingParams
 from loraplex.server.http.structured import StructuredError, structured_output
+from loraplex.server.http.tools import ToolCalls, tool_calls
 from loraplex.server.params import StructuredOutput
 
 MAX_JSON_DEPTH = 32
@@ -196,6 +199,14 @@ def _params(body: _Common, max_tokens: int, logprobs: int | None,
         raise BadRequest(str(exc), param=str(exc).split(":", 1)[0]) from None
 
 
+def chat_tools(body: ChatBody) -> ToolCalls | None:
+    """The tool call a chat body asks for (None: text). Raises ``BadRequest``."""
+    try:
+        return tool_calls(body.tools, body.tool_choice)
+    except StructuredError as exc:
+        raise BadRequest(str(exc), param=exc.param) from None
+
+
 def completion_requests(doc: Any, request_id: str = "") -> tuple[CompletionBody,
                                                                  list[GenerateRequest]]:
     """A ``/v1/completions`` body -> one ``GenerateRequest`` per prompt (``model`` is left
@@ -237,9 +248,8 @@ def chat_request(doc: Any, default_max_tokens: int, request_id: str = ""
         BadRequest: naming the parameter.
     """
     body: ChatBody = _validate(ChatBody, doc)
-    _refuse_unsupported(body, {
-        "tools": bool(body.tools),
-        "tool_choice": body.tool_choice not in (None, "none", "auto")})
+    _refuse_unsupported(body, {})
+    tools = chat_tools(body)
     if not body.messages:
         raise BadRequest("messages: must not be empty", param="messages")
     if body.max_tokens is not None and body.max_completion_tokens is not None \
@@ -257,6 +267,11 @@ def chat_request(doc: Any, default_max_tokens: int, request_id: str = ""
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = _params(body, default_max_tokens if max_tokens is None else max_tokens, logprobs,
                      body.response_format)
+    if tools is not None:
+        if params.structured is not None:
+            raise BadRequest("tool_choice: a tool call cannot also follow response_format or "
+                             "guided_*", param="tool_choice")
+        params = replace(params, structured=tools.constraint)
     # OpenAI's "developer" messages are what chat templates know as "system" ones.
     messages = ChatMessages(tuple(
         ChatMessage(role="system" if m.role == "developer" else m.role,

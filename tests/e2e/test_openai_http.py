@@ -291,7 +291,7 @@ def test_chat_validation(cluster: Cluster) -> None:
     client = oai(cluster)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     for kwargs, param in (({"n": 3}, "n"), ({"tools": [{"type": "function", "function": {
-            "name": "f", "parameters": {}}}]}, "tools"),
+            "name": "f", "parameters": {}}}]}, "tool_choice"),
             ({"response_format": {"type": "yaml"}}, "response_format.type"),
             ({"tool_choice": "required"}, "tool_choice"),
             ({"top_logprobs": 2}, "top_logprobs"),

@@ -165,3 +165,52 @@ def test_http_bad_constraints_answer_400(cluster: Cluster) -> None:
             model=BASE, messages=[{"role": "user", "content": "x"}], max_tokens=5,
             response_format={"type": "json_object"}, extra_body={"guided_regex": "a"})
     assert isinstance(info.value.body, dict) and info.value.body["param"] == "guided_regex"
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                         "days": {"type": "integer", "minimum": 1,
+                                                  "maximum": 7}},
+        "required": ["city", "days"]}}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0,
+                                               "maximum": 99}}, "required": ["a"]}}},
+]
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+def test_http_tool_calls_required_and_named(cluster: Cluster) -> None:
+    client = oai(cluster)
+    messages = [{"role": "user", "content": "weather in Oslo?"}]
+    for model, choice in ((BASE, "required"), ("alpha", "required"),
+                          (BASE, {"type": "function", "function": {"name": "add"}})):
+        for seed in range(3):
+            out = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,
+                                                 tool_choice=choice, max_tokens=120,
+                                                 temperature=1.0, seed=seed)
+            message = out.choices[0].message
+            assert out.choices[0].finish_reason == "tool_calls", out.choices[0]
+            assert message.content is None and message.tool_calls
+            [call] = message.tool_calls
+            if isinstance(choice, dict):
+                assert call.function.name == "add"
+            jsonschema.validate(json.loads(call.function.arguments),
+                                PARAMETERS[call.function.name])
+    stream = client.chat.completions.create(model="gamma", messages=messages, tools=TOOLS,
+                                            tool_choice="required", max_tokens=120,
+                                            stream=True)
+    calls, reasons = [], []
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        calls.extend(delta.tool_calls or [])
+        reasons.append(chunk.choices[0].finish_reason)
+    assert reasons[-1] == "tool_calls" and len(calls) == 1
+    assert calls[0].index == 0 and calls[0].id and calls[0].function
+    jsonschema.validate(json.loads(calls[0].function.arguments or ""),
+                        PARAMETERS[calls[0].function.name or ""])
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=BASE, messages=messages, tools=TOOLS,
+                                       max_tokens=10)
+    assert info.value.body["param"] == "tool_choice"  # "auto" has no parser here
+    assert "auto" in info.value.message

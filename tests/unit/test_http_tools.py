@@ -1,0 +1,66 @@
+"""``tools`` and ``tool_choice`` -> a tool-call constraint, and its parse (no server)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from loraplex.server.http.schema import BadRequest, chat_request, chat_tools
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "d",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string"}},
+                                                "required": ["city"]}}}
+ADD = {"type": "function", "function": {"name": "add"}}
+
+
+def chat(**fields):
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **fields}
+    parsed, request = chat_request(body, 16)
+    return chat_tools(parsed), request.params.structured
+
+
+def test_required_and_named_functions_constrain_to_a_call() -> None:
+    tools, structured = chat(tools=[WEATHER, ADD], tool_choice="required")
+    assert tools is not None and tools.names == ("get_weather", "add")
+    assert structured == tools.constraint
+    schema = json.loads(structured.value)
+    jsonschema.validate({"name": "add", "arguments": {}}, schema)
+    jsonschema.validate({"name": "get_weather", "arguments": {"city": "Oslo"}}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "get_weather", "arguments": {}}, schema)
+    tools, structured = chat(tools=[WEATHER, ADD], tool_choice={
+        "type": "function", "function": {"name": "get_weather"}})
+    assert tools is not None and tools.names == ("get_weather",)
+    [call] = tools.parse('{"name": "get_weather", "arguments": {"city": "Oslo"}}')
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+
+
+def test_none_is_text() -> None:
+    assert chat(tools=[WEATHER], tool_choice="none") == (None, None)
+    assert chat() == (None, None)
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"tools": [WEATHER]}, "tool_choice"),  # "auto": no tool-call parser for this model
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "retrieval"}], "tool_choice": "required"}, "tools[0]"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}],
+      "tool_choice": "required"}, "tools[0].function.name"),
+    ({"tools": [ADD, ADD], "tool_choice": "required"}, "tools[1].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}],
+      "tool_choice": "required"}, "tools[0].function.parameters"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {
+        "type": "json_object"}}, "tool_choice"),
+])
+def test_refusals_name_the_parameter(fields: dict, param: str) -> None:
+    with pytest.raises(BadRequest) as info:
+        chat(**fields)
+    assert info.value.param == param and str(info.value).startswith(param), info.value
