@@ -5,8 +5,9 @@
    engine refuses it (a prompt that does not fit the context) — all before it is queued.
 2. The engine thread (``EngineLoop``) runs it; each step's tokens stream back as chunks. A
    request that fails ends with its own status: ``FAILED_PRECONDITION`` naming the adapter
-   when its adapter cannot be loaded or placed here, ``INTERNAL`` when sampling or the model
-   step failed for it. These are the request's errors (trailer ``loraplex-origin: request``):
+   when its adapter cannot be loaded or placed here, ``INVALID_ARGUMENT`` naming
+   ``structured.<kind>`` when its structured-output constraint does not compile, compiles too
+   slowly or cannot be satisfied, ``INTERNAL`` when sampling or the model step failed for it. These are the request's errors (trailer ``loraplex-origin: request``):
    the gateway keeps routing to this worker. Only refusals of all work (draining, a failed
    engine) say ``loraplex-origin: server``.
 3. A cancelled call (client gone, deadline passed) raises ``CancelledError`` in the handler;

@@ -65,6 +65,10 @@ class EngineStats:
     adapter_evictions: int = 0
     prefix_queried_tokens: dict[str, int] = field(default_factory=dict)  # by tenant
     prefix_hit_tokens: dict[str, int] = field(default_factory=dict)  # by tenant
+    grammar_compiles: int = 0  # structured output: compiles run (failed ones included)
+    grammar_compile_failures: int = 0
+    grammar_cache_hits: int = 0
+    jump_forward_tokens: int = 0  # output tokens appended by jump-forward, no model step
 
 
 def resolve_model_path(model: str) -> str:
@@ -460,6 +464,13 @@ class Engine:
             p = self.prefix_cache.stats()
             prefix_fields = dict(prefix_queried_tokens=p.queried_tokens,
                                  prefix_hit_tokens=p.hit_tokens)
+        grammar_fields = {}
+        if self.grammars is not None:
+            g = self.grammars
+            grammar_fields = dict(grammar_compiles=g.num_compiles,
+                                  grammar_compile_failures=g.num_compile_failures,
+                                  grammar_cache_hits=g.cache.hits,
+                                  jump_forward_tokens=g.num_jumped_tokens)
         return EngineStats(self.scheduler.num_waiting, self.scheduler.num_running,
                            self.scheduler.num_preemptions, self.pager.stats(), self._num_steps,
-                           **adapter_fields, **prefix_fields)
+                           **adapter_fields, **prefix_fields, **grammar_fields)

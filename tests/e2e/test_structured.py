@@ -17,7 +17,7 @@ from openai import OpenAI
 
 from loraplex.server.client import ServiceError
 from loraplex.server.params import SamplingParams, StructuredOutput
-from tests.e2e.harness import Cluster
+from tests.e2e.harness import Cluster, counter_total
 
 BASE = "tiny"
 SCHEMA = {"type": "object", "properties": {
@@ -71,6 +71,10 @@ def test_grpc_constrained_requests_beside_free_ones(cluster: Cluster) -> None:
         else:
             assert re.fullmatch(r"[a-f]{2,4}-[0-9]{2}", out.text), out.text
     jsonschema.validate(json.loads(streamed), SCHEMA)
+    registry = cluster.workers[0].registry
+    assert counter_total(registry, "loraplex_worker_jump_forward_tokens") > 0
+    assert counter_total(registry, "loraplex_worker_grammar_cache_hits") > 0
+    assert counter_total(registry, "loraplex_worker_grammar_compiles") >= 2
 
 
 @pytest.mark.parametrize(("spec", "needle"), [
