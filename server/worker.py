@@ -7,8 +7,9 @@
    request that fails ends with its own status: ``FAILED_PRECONDITION`` naming the adapter
    when its adapter cannot be loaded or placed here, ``INVALID_ARGUMENT`` naming
    ``structured.<kind>`` when its structured-output constraint does not compile, compiles too
-   slowly or cannot be satisfied, ``INTERNAL`` when sampling or the model step failed for it. These are the request's errors (trailer ``loraplex-origin: request``):
-   the gateway keeps routing to this worker. Only refusals of all work (draining, a failed
+   slowly or cannot be satisfied, ``INTERNAL`` when sampling or the model step failed for it.
+   These are the request's errors (trailer ``loraplex-origin: request``): the gateway keeps
+   routing to this worker. Only refusals of all work (draining, a failed
    engine) say ``loraplex-origin: server``.
 3. A cancelled call (client gone, deadline passed) raises ``CancelledError`` in the handler;
    closing the stream aborts the request, whose pages return within one step.
