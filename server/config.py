@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 KERNEL_CHOICES = ("auto", "torch", "triton")
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
-JUMP_FORWARD = ("exact", "off")
+JUMP_FORWARD = ("exact", "string", "off")
 
 
 def parse_tenant_weights(text: str | tuple) -> tuple[tuple[str, float], ...]:
@@ -132,7 +132,9 @@ class EngineConfig:
         256 << 20, "memory for compiled grammars, by (tokenizer, grammar), LRU", unit="bytes")
     jump_forward: str = setting(
         "exact", "structured output: exact appends the tokens a grammar forces (one allowed "
-        "token) without a model call each, giving the same tokens as off", choices=JUMP_FORWARD)
+        "token) without a model call each, giving the same tokens as off; string also "
+        "appends the tokenized string a grammar forces (tokens may differ from off's)",
+        choices=JUMP_FORWARD)
 
     def __post_init__(self) -> None:
         if not self.grammar_compile_timeout >= 0:

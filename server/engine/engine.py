@@ -377,13 +377,25 @@ class Engine:
         Identical to sampling them: a one-token mask leaves greedy and sampled rows no other
         choice, and a sampled row's generator draws once per forced token as it would have
         (seeded outputs stay the same). Requests asking for logprobs are not jumped (a forced
-        token's logprob needs the model's logits)."""
+        token's logprob needs the model's logits). ``jump_forward = string`` first appends
+        the string the grammar forces, as the tokenizer cuts it (valid, not identical)."""
         grammar = req.grammar
         if (grammar is None or self.grammars is None or self.config.jump_forward == "off"
                 or req.params.logprobs is not None):
             return out
         vocab = self.model_config.vocab_size
         while not out.finished:
+            if self.config.jump_forward == "string":
+                tokens = self.grammars.tokenize_forced(grammar.forced_string(req))
+                if tokens:
+                    for token in tokens:
+                        if out.finished:
+                            break
+                        self.grammars.num_jumped_tokens += 1
+                        nxt = self._append_token(req, token, None)
+                        out = replace(nxt, new_token_ids=out.new_token_ids + nxt.new_token_ids,
+                                      new_text=out.new_text + nxt.new_text)
+                    continue
             token = grammar.forced_token(req, vocab)
             if token is None:
                 return out

@@ -17,7 +17,11 @@ A constrained request goes through four places:
 4. Exact jump-forward (``GrammarState.forced_token``): while the grammar allows exactly one
    token, the engine appends it without a model call; the scheduler computes those tokens as
    one prefill chunk next step. The output is token for token what decoding one step per
-   token gives, since a mask of one token leaves the sampler no choice.
+   token gives, since a mask of one token leaves the sampler no choice. String mode
+   (``jump_forward = string``) first appends the whole string the grammar forces
+   (``GrammarState.forced_string``), tokenized alone (``GrammarService.tokenize_forced``):
+   it jumps where a BPE vocabulary offers several first tokens (``{"`` against ``{``), and its
+   tokens may differ from the model's own choice, so it is checked for validity, not identity.
 
 The matcher follows ``output_token_ids``: after a preemption (recompute) the request's tokens
 are replayed through a fresh matcher, so a request's grammar state never depends on where its
@@ -153,6 +157,10 @@ class GrammarState:
         if self.utf8 is not None:
             self._utf8_state = self.utf8.advance(self._utf8_state, token)
 
+    def forced_string(self, req: Request) -> str:
+        """The text the grammar forces next ("" when the next character is free)."""
+        return str(self._matcher_for(req).find_jump_forward_string())
+
     def forced_token(self, req: Request, vocab_size: int) -> int | None:
         """The one token the grammar allows next, or None when it allows several (or none)."""
         bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)]
@@ -256,6 +264,18 @@ class GrammarService:
                                        sorted(special))
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
+
+    def tokenize_forced(self, text: str) -> list[int] | None:
+        """String jump-forward: ``text`` as the tokenizer cuts it alone, or None when those
+        tokens do not spell exactly ``text`` (a tokenizer that adds a prefix space or
+        normalizes): the caller then jumps token by token."""
+        if self.utf8 is None or not text:
+            return None
+        ids = list(self.tokenizer.for_this_thread().encode(text, add_special_tokens=False))
+        vocab = self.utf8.token_bytes
+        if not ids or any(not 0 <= t < len(vocab) or t in self.utf8.special for t in ids):
+            return None
+        return ids if b"".join(vocab[t] for t in ids) == text.encode() else None
 
     def bitmask(self, requests: Sequence[Request]) -> tuple[torch.Tensor | None, set[int]]:
         """The batch's ``[R, ceil(V / 32)]`` int32 bitmask (row ``i`` for ``requests[i]``; None

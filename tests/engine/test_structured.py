@@ -9,6 +9,7 @@ import json
 import re
 import threading
 import time
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -17,6 +18,7 @@ from loraplex.adapter_store.format import load_adapter
 from loraplex.server.config import EngineConfig, SchedulerConfig
 from loraplex.server.engine.engine import Engine
 from loraplex.server.engine.models.config import ModelConfig
+from loraplex.server.engine.models.demo import BOS, _byte_of, write_byte_tokenizer
 from loraplex.server.params import SamplingParams, StructuredOutput
 from tests.engine.test_lora_parity import LoadedSource
 from tests.helpers import ADAPTER_SPECS, assert_pages_idle, make_model, make_peft_adapters
@@ -134,7 +136,7 @@ def test_constrained_outputs_validate_under_preemption(setup):
     model, adapters = setup
     requests, checks = constraint_mix(adapters, 0.0)
     roomy = run(make_engine(model, adapters), requests)
-    engine = make_engine(model, adapters, num_pages=100)  # too few pages for all at once
+    engine = make_engine(model, adapters, num_pages=80)  # too few pages for all at once
     tight = run(engine, requests)
     assert engine.scheduler.num_preemptions > 0
     for rid, spec in checks.items():
@@ -269,3 +271,60 @@ def test_sampled_outputs_are_well_formed_utf8(setup):
     texts = [results[f"r{i}"][1] for i in range(0, 40, 2)]
     assert [t for t in texts if not re.fullmatch("[^a]{6}", t, re.DOTALL)] == []
     assert any(max(t.encode()) >= 0x80 for t in texts)  # multi-byte characters were drawn
+
+
+def write_merging_tokenizer(path: Path) -> None:
+    """The byte-level tokenizer plus BPE merges of JSON punctuation (``{"``, ``":``, `` "``,
+    ``",``), so that a forced string has several valid first tokens, as in a real BPE
+    vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    write_byte_tokenizer(path)  # the config files; tokenizer.json is replaced below
+    chars = sorted(ByteLevel.alphabet(), key=_byte_of)
+    vocab = {ch: i for i, ch in enumerate(chars)}
+    specials = ["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
+    vocab.update({s: BOS + i for i, s in enumerate(specials)})
+    merges = [("{", '"'), ('"', ":"), ("Ġ", '"'), ('"', ",")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS)])
+    tok.save(str(path / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def merging_model(tmp_path_factory):
+    path = make_model(tmp_path_factory.mktemp("bpe") / "model", "llama", seed=9,
+                      max_position_embeddings=1024)
+    write_merging_tokenizer(path)
+    return path
+
+
+def test_string_jump_forward_outputs_validate(setup, merging_model):
+    _, adapters = setup  # adapters fit any model of this shape
+    engines = {mode: make_engine(merging_model, adapters, jump_forward=mode)
+               for mode in ("string", "exact", "off")}
+    merged = set(range(261, 265))
+    results = {}
+    for mode, engine in engines.items():
+        for temperature in (0.0, 1.0):
+            requests, checks = constraint_mix(adapters, temperature, seed0=7)
+            got = run(engine, requests)
+            results[mode, temperature] = got
+            for rid, spec in checks.items():
+                _, text, out = got[rid]
+                assert out.finish_reason == "stop", (mode, rid, out.error, text)
+                check_valid(spec, text)
+    jumped = {mode: e.grammars.num_jumped_tokens for mode, e in engines.items()}
+    assert jumped["string"] > jumped["exact"] > jumped["off"] == 0, jumped
+    # Exact mode stays identical to no jump-forward with merges in the vocabulary; string
+    # mode cuts forced strings its own way (merged tokens where the model chose others).
+    exact, off, string = (results[m, 0.0] for m in ("exact", "off", "string"))
+    assert all(exact[r][0] == off[r][0] for r in exact)
+    assert any(string[r][0] != off[r][0] for r in string)
+    assert any(merged & set(tokens) for tokens, _, _ in string.values())
