@@ -328,3 +328,19 @@ def test_string_jump_forward_outputs_validate(setup, merging_model):
     assert all(exact[r][0] == off[r][0] for r in exact)
     assert any(string[r][0] != off[r][0] for r in string)
     assert any(merged & set(tokens) for tokens, _, _ in string.values())
+
+
+def test_prefix_cache_hits_keep_constrained_outputs(setup):
+    model, adapters = setup
+    engine = make_engine(model, adapters)
+    spec = StructuredOutput("json_schema", json.dumps(SCHEMAS[1]))
+    prompt = "a shared system prompt that fills several pages of four tokens each: "
+    outputs = []
+    for i in range(3):
+        got = run(engine, [(f"p{i}", prompt, SamplingParams(max_tokens=200, structured=spec),
+                            adapters[1].digest)])
+        outputs.append(got[f"p{i}"])
+    assert outputs[0][2].num_cached_tokens == 0
+    assert all(o[2].num_cached_tokens > 0 for o in outputs[1:])
+    assert all(o[0] == outputs[0][0] and o[2].finish_reason == "stop" for o in outputs)
+    jsonschema.validate(json.loads(outputs[0][1]), SCHEMAS[1])
