@@ -33,7 +33,7 @@ from loraplex.server.engine.request import (
 )
 from loraplex.server.engine.sampler import SamplingMetadata, sample
 from loraplex.server.engine.scheduler import Scheduler
-from loraplex.server.engine.structured import GrammarService, no_token_error
+from loraplex.server.engine.structured import GrammarService
 from loraplex.server.engine.tokenizer import Detokenizer, load_tokenizer
 from loraplex.server.engine.warmup import warm_up
 from loraplex.server.params import CHAT_ROLES, ChatMessages
@@ -297,11 +297,11 @@ class Engine:
         if not rows:
             return outputs
         sampling = [run.sampling_requests[i] for i in rows]
-        dead: set[int] = set()  # rows whose grammar allows no token
+        mask_errors: dict[int, str] = {}  # rows whose grammar allows no token, and why
         try:
             metadata = SamplingMetadata.from_requests(sampling)
             if self.grammars is not None:
-                bitmask, dead = self.grammars.bitmask(sampling)
+                bitmask, mask_errors = self.grammars.bitmask(sampling)
                 metadata = replace(metadata, allowed_token_bitmask=bitmask)
             result = sample(run.logits[rows], metadata)
         except Exception as exc:  # a bug in the sampler: this batch's sampling requests fail
@@ -312,10 +312,7 @@ class Engine:
         failed = set(result.failed_rows)
         for row, req in enumerate(sampling):
             if row in failed:
-                error = SAMPLING_FAILED
-                if row in dead and req.grammar is not None:
-                    error = no_token_error(req.grammar.spec)
-                outputs.append(self._fail(req, error, log=False))
+                outputs.append(self._fail(req, mask_errors.get(row, SAMPLING_FAILED), log=False))
                 continue
             try:
                 out = self._append_token(req, result.token_ids[row], result.logprobs[row])

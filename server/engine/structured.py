@@ -277,17 +277,28 @@ class GrammarService:
             return None
         return ids if b"".join(vocab[t] for t in ids) == text.encode() else None
 
-    def bitmask(self, requests: Sequence[Request]) -> tuple[torch.Tensor | None, set[int]]:
+    def bitmask(self, requests: Sequence[Request]
+                ) -> tuple[torch.Tensor | None, dict[int, str]]:
         """The batch's ``[R, ceil(V / 32)]`` int32 bitmask (row ``i`` for ``requests[i]``; None
-        when no request is constrained) and the rows whose grammar allows no token at all."""
+        when no request is constrained), and the error of each row that allows no token: its
+        grammar can go no further, or filling its row failed. Such a row allows nothing, so
+        the sampler reports it failed and its request fails alone."""
         grammars = [(i, r, r.grammar) for i, r in enumerate(requests) if r.grammar is not None]
         if not grammars:
-            return None, set()
+            return None, {}
         bitmask = xgr.allocate_token_bitmask(len(requests), self.vocab_size)  # all allowed
+        errors: dict[int, str] = {}
         for i, req, grammar in grammars:
-            grammar.fill(req, bitmask, i)
-        dead = {i for i, _, _ in grammars if not bool(bitmask[i].any())}
-        return bitmask, dead
+            try:
+                grammar.fill(req, bitmask, i)
+            except Exception as exc:  # one request's matcher: that request fails, not the batch
+                logger.exception("request %s: filling its token mask failed", req.request_id)
+                bitmask[i] = 0
+                errors[i] = f"internal error in structured output: {exc}"
+                continue
+            if not bool(bitmask[i].any()):
+                errors[i] = no_token_error(grammar.spec)
+        return bitmask, errors
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -344,3 +344,29 @@ def test_prefix_cache_hits_keep_constrained_outputs(setup):
     assert all(o[2].num_cached_tokens > 0 for o in outputs[1:])
     assert all(o[0] == outputs[0][0] and o[2].finish_reason == "stop" for o in outputs)
     jsonschema.validate(json.loads(outputs[0][1]), SCHEMAS[1])
+
+
+def test_a_matcher_that_fails_fails_its_request_alone(setup):
+    model, adapters = setup
+    engine = make_engine(model, adapters)
+    spec = StructuredOutput("regex", "[a-z]{3}")
+    engine.add_request("bad", "x", SamplingParams(max_tokens=10, structured=spec))
+    engine.add_request("good", "y", SamplingParams(max_tokens=10, structured=spec))
+    bad = engine._requests["bad"]
+
+    def broken(req, bitmask, row):  # fault injection: this request's matcher raises
+        raise RuntimeError("matcher exploded")
+
+    deadline = time.monotonic() + 60
+    while bad.grammar is None or not bad.grammar.ready:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    bad.grammar.fill = broken
+    finished = {}
+    while engine.has_unfinished():
+        assert time.monotonic() < deadline
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finished["bad"].finish_reason == "error"
+    assert "matcher exploded" in finished["bad"].error
+    assert finished["good"].finish_reason == "stop"
+    assert_pages_idle(engine)
