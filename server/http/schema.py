@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from loraplex.server.api import ChatMessage, ChatMessages, GenerateRequest
 from loraplex.server.engine.request import SamplingParams
 from loraplex.server.http.structured import StructuredError, structured_output
-from loraplex.server.http.tools import ToolCalls, tool_calls
+from loraplex.server.http.tools import ToolCalls, render_tool_calls, tool_calls
 from loraplex.server.params import StructuredOutput
 
 MAX_JSON_DEPTH = 32
@@ -53,9 +53,24 @@ class TextPart(_Strict):
     text: str
 
 
+class CalledFunction(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    """A call an earlier assistant turn made (sent back in the conversation)."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class Message(_Strict):
     role: str
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None  # required, but on an assistant's tool call
+    tool_calls: list[ToolCall] | None = None  # assistant turns only
+    tool_call_id: str | None = None  # tool turns: the call this answers
 
 
 class _Common(_Strict):
@@ -199,6 +214,27 @@ def _params(body: _Common, max_tokens: int, logprobs: int | None,
         raise BadRequest(str(exc), param=str(exc).split(":", 1)[0]) from None
 
 
+def _chat_message(i: int, m: Message) -> ChatMessage:
+    # OpenAI's "developer" messages are what chat templates know as "system" ones.
+    role = "system" if m.role == "developer" else m.role
+    if m.tool_calls is not None and role != "assistant":
+        raise BadRequest(f"messages[{i}].tool_calls: only assistant messages make tool calls",
+                         param=f"messages[{i}].tool_calls")
+    if m.tool_call_id is not None and role != "tool":
+        raise BadRequest(f"messages[{i}].tool_call_id: only tool messages answer a call",
+                         param=f"messages[{i}].tool_call_id")
+    if m.content is None and not m.tool_calls:
+        raise BadRequest(f"messages[{i}].content: required", param=f"messages[{i}].content")
+    text = m.content if isinstance(m.content, str) else "".join(
+        part.text for part in m.content or [])
+    if m.tool_calls:
+        # The call as the model wrote it (the tool-call constraint's form), so that the
+        # conversation reads back as the model would continue it.
+        text += render_tool_calls([(c.function.name, c.function.arguments)
+                                   for c in m.tool_calls])
+    return ChatMessage(role=role, content=text)
+
+
 def chat_tools(body: ChatBody) -> ToolCalls | None:
     """The tool call a chat body asks for (None: text). Raises ``BadRequest``."""
     try:
@@ -272,10 +308,5 @@ def chat_request(doc: Any, default_max_tokens: int, request_id: str = ""
             raise BadRequest("tool_choice: a tool call cannot also follow response_format or "
                              "guided_*", param="tool_choice")
         params = replace(params, structured=tools.constraint)
-    # OpenAI's "developer" messages are what chat templates know as "system" ones.
-    messages = ChatMessages(tuple(
-        ChatMessage(role="system" if m.role == "developer" else m.role,
-                    content=m.content if isinstance(m.content, str)
-                    else "".join(part.text for part in m.content))
-        for m in body.messages))
+    messages = ChatMessages(tuple(_chat_message(i, m) for i, m in enumerate(body.messages)))
     return body, GenerateRequest(prompt=messages, params=params, request_id=request_id)

@@ -11,7 +11,9 @@ tools and a parser for its tool-call format; this server has none yet, so it is 
 
 One call per response (``parallel_tool_calls`` is accepted; at most one call is made). The
 tool definitions do not reach the prompt (the chat templates served render messages only):
-the constraint alone makes the output a call.
+the constraint alone makes the output a call. Earlier calls sent back in the conversation
+(an assistant message's ``tool_calls``) are rendered as that same JSON, and ``tool`` messages
+as their content.
 """
 
 from __future__ import annotations
@@ -97,6 +99,19 @@ def tool_calls(tools: list[Any] | None, tool_choice: str | dict[str, Any] | None
     except ValueError as exc:
         raise StructuredError(f"tools: {str(exc).split(': ', 1)[-1]}", "tools") from None
     return ToolCalls(tuple(chosen), constraint)
+
+
+def render_tool_calls(calls: list[tuple[str, str]]) -> str:
+    """Earlier calls ``(name, arguments JSON text)`` as the text the model generated for them:
+    one ``{"name": ..., "arguments": ...}`` object per line."""
+    lines = []
+    for name, arguments in calls:
+        try:
+            args: Any = json.loads(arguments)
+        except ValueError:
+            args = arguments  # not JSON: kept as the string it is
+        lines.append(json.dumps({"name": name, "arguments": args}))
+    return "\n".join(lines)
 
 
 def _functions(tools: list[Any]) -> dict[str, dict[str, Any]]:

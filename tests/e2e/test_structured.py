@@ -213,6 +213,20 @@ def test_http_tool_calls_required_and_named(cluster: Cluster) -> None:
     assert calls[0].index == 0 and calls[0].id and calls[0].function
     jsonschema.validate(json.loads(calls[0].function.arguments or ""),
                         PARAMETERS[calls[0].function.name or ""])
+    # The loop: the call goes back in the conversation with the tool's answer.
+    first = client.chat.completions.create(model="alpha", messages=messages, tools=TOOLS,
+                                           tool_choice="required", max_tokens=120)
+    message = first.choices[0].message
+    assert message.tool_calls
+    call = message.tool_calls[0]
+    followup = client.chat.completions.create(
+        model="alpha", tools=TOOLS, tool_choice="none", max_tokens=8,
+        messages=[*messages, message.model_dump(exclude_none=True),
+                  {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}])
+    assert followup.choices[0].finish_reason in ("stop", "length")
+    assert followup.choices[0].message.tool_calls is None
+    assert followup.usage is not None and first.usage is not None
+    assert followup.usage.prompt_tokens > first.usage.prompt_tokens
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=BASE, messages=messages, tools=TOOLS,
                                        max_tokens=10)

@@ -64,3 +64,33 @@ def test_refusals_name_the_parameter(fields: dict, param: str) -> None:
     with pytest.raises(BadRequest) as info:
         chat(**fields)
     assert info.value.param == param and str(info.value).startswith(param), info.value
+
+
+def test_a_conversation_with_earlier_calls_renders_them() -> None:
+    body = {"model": "m", "tools": [WEATHER], "tool_choice": "none", "messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]}
+    _, request = chat_request(body, 16)
+    roles = [m.role for m in request.prompt.messages]
+    assert roles == ["user", "assistant", "tool"]
+    assert json.loads(request.prompt.messages[1].content) == {
+        "name": "get_weather", "arguments": {"city": "Oslo"}}
+    assert request.prompt.messages[2].content == "sunny"
+    assert request.params.structured is None
+
+
+@pytest.mark.parametrize(("message", "param"), [
+    ({"role": "user", "content": "x", "tool_calls": []}, "messages[0].tool_calls"),
+    ({"role": "user", "content": "x", "tool_call_id": "c"}, "messages[0].tool_call_id"),
+    ({"role": "assistant"}, "messages[0].content"),
+    ({"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                           "function": {"name": "f"}}]},
+     "messages[0].tool_calls[0].function.arguments"),
+])
+def test_message_refusals(message: dict, param: str) -> None:
+    with pytest.raises(BadRequest) as info:
+        chat_request({"model": "m", "messages": [message]}, 16)
+    assert info.value.param == param, info.value
