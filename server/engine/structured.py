@@ -194,6 +194,9 @@ class GrammarService:
         self._inflight: dict[tuple, list[GrammarState]] = {}
         self._inflight_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="grammar")
+        # Read the vocabulary now, in the background: the first constrained request then
+        # waits for its grammar only.
+        self._executor.submit(self._warm).add_done_callback(_log_unexpected)
         self.num_compiles = 0
         self.num_compile_failures = 0
         self.num_jumped_tokens = 0
@@ -215,14 +218,26 @@ class GrammarService:
         future.add_done_callback(_log_unexpected)
         return state
 
+    def _warm(self) -> None:
+        try:
+            self._get_compiler()
+        except Exception:  # each constrained request will then fail with the reason
+            logger.exception("xgrammar cannot read this model's tokenizer")
+
     def _compile(self, spec: StructuredOutput) -> None:
+        compiled, error, compiler = None, None, None
+        try:
+            compiler = self._get_compiler()  # the vocabulary's reading is not the grammar's time
+        except Exception as exc:
+            error = (f"structured.{spec.kind}: this model's tokenizer cannot be read by "
+                     f"xgrammar: {_first_line(exc)}")
         started = time.monotonic()
         with self._inflight_lock:
             for state in self._inflight.get(spec.key, []):
                 state.compile_started = started
-        compiled, error = None, None
         try:
-            compiled = self._compile_spec(spec)
+            if compiler is not None:
+                compiled = self._compile_spec(compiler, spec)
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError for bad grammars
             error = f"structured.{spec.kind}: does not compile: {_first_line(exc)}"
         elapsed = time.monotonic() - started
@@ -237,8 +252,7 @@ class GrammarService:
                 # ``compiled`` last: once it is set the engine thread may use the state.
                 state.error, state.utf8, state.compiled = error, self.utf8, compiled
 
-    def _compile_spec(self, spec: StructuredOutput) -> Any:
-        compiler = self._get_compiler()
+    def _compile_spec(self, compiler: Any, spec: StructuredOutput) -> Any:
         if spec.kind == "json_schema":
             schema = bounded_strings_as_patterns(json.loads(spec.value))
             return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)

@@ -206,9 +206,9 @@ def test_a_compiling_grammar_does_not_block_the_queue_behind_it(setup, monkeypat
     release = threading.Event()
     compile_spec = engine.grammars._compile_spec
 
-    def held(spec):  # fault injection: this compile waits until the test lets it go
+    def held(compiler, spec):  # fault injection: this compile waits until the test lets it go
         release.wait(60)
-        return compile_spec(spec)
+        return compile_spec(compiler, spec)
 
     monkeypatch.setattr(engine.grammars, "_compile_spec", held)
     spec = StructuredOutput("regex", "[a-z]{2}")
