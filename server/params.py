@@ -65,6 +65,8 @@ class StructuredOutput:
             raise ValueError(f"structured.{self.kind}: takes no choices")
         if self.kind in ("regex", "grammar") and not self.value:
             raise ValueError(f"structured.{self.kind}: must not be empty")
+        if self.kind in ("json_object", "choice") and self.value:
+            raise ValueError(f"structured.{self.kind}: takes no value")
         if self.kind == "json_schema":
             _check_schema(self.value)
 

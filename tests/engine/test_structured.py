@@ -246,6 +246,7 @@ def test_compiled_grammars_are_cached_per_engine(setup):
     (dict(kind="regex", value="a" * (65 << 10)), "over the limit of 65536"),
     (dict(kind="choice", choices=()), "1..256 non-empty strings"),
     (dict(kind="xml", value="<a/>"), "is not one of"),
+    (dict(kind="json_object", value="{}"), "takes no value"),
 ])
 def test_oversized_or_malformed_constraints_are_refused(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
