@@ -40,10 +40,11 @@ from loraplex.server.api import (
     UploadMetadata,
     UploadPart,
 )
-from loraplex.server.params import SamplingParams
+from loraplex.server.params import SamplingParams, StructuredOutput
 from loraplex.server.tls import client_credentials
 
-__all__ = ["AsyncClient", "ChatMessage", "Client", "ServiceError", "adapter_upload_parts"]
+__all__ = ["AsyncClient", "ChatMessage", "Client", "ServiceError", "StructuredOutput",
+           "adapter_upload_parts"]
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 UPLOAD_CHUNK_BYTES = 1 << 20

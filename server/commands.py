@@ -92,6 +92,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           help="add BIAS to token id TOKEN's logit (repeatable)")
     generate.add_argument("--stop", action="append", default=[], help="a stop string "
                           "(repeatable)")
+    constraint = generate.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", default=None, metavar="SCHEMA|@FILE",
+                            help="constrain the output to this JSON schema")
+    constraint.add_argument("--json-object", action="store_true",
+                            help="constrain the output to a JSON object")
+    constraint.add_argument("--regex", default=None, help="constrain the output to a match")
+    constraint.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                            help="the output is one of these (repeat)")
+    constraint.add_argument("--grammar", default=None, metavar="EBNF|@FILE",
+                            help="constrain the output to an EBNF grammar (rule root)")
     generate.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     generate.add_argument("--api-key", default=None, help="(env LORAPLEX_API_KEY)")
     add_client_tls_args(generate)
@@ -166,6 +176,26 @@ def _logit_bias(items: list[str]) -> dict[int, float]:
     return bias
 
 
+def _structured(args: argparse.Namespace) -> Any:
+    """The constraint the generate flags ask for (None: free text). Raises ``ValueError``."""
+    from loraplex.server.params import StructuredOutput
+
+    def text(value: str) -> str:
+        return Path(value[1:]).read_text(encoding="utf-8") if value.startswith("@") else value
+
+    if args.json_schema is not None:
+        return StructuredOutput("json_schema", text(args.json_schema))
+    if args.json_object:
+        return StructuredOutput("json_object")
+    if args.regex is not None:
+        return StructuredOutput("regex", args.regex)
+    if args.choice is not None:
+        return StructuredOutput("choice", choices=tuple(args.choice))
+    if args.grammar is not None:
+        return StructuredOutput("grammar", text(args.grammar))
+    return None
+
+
 def _generate(args: argparse.Namespace) -> int:
     import grpc
 
@@ -180,9 +210,10 @@ def _generate(args: argparse.Namespace) -> int:
         turns = [] if args.system is None else [{"role": "system", "content": args.system}]
         prompt = {"messages": [*turns, {"role": "user", "content": args.chat}]}
     try:
+        structured = _structured(args)
         client = Client(args.server, api_key=args.api_key, timeout=args.timeout,
                         **client_tls(args))
-    except ValueError as exc:
+    except (OSError, ValueError) as exc:
         print(f"loraplex generate: {exc}", file=sys.stderr)
         return 1
     with client:
@@ -195,7 +226,8 @@ def _generate(args: argparse.Namespace) -> int:
                     seed=args.seed, stop=tuple(args.stop), min_tokens=args.min_tokens,
                     min_p=args.min_p, presence_penalty=args.presence_penalty,
                     frequency_penalty=args.frequency_penalty,
-                    repetition_penalty=args.repetition_penalty, logit_bias=bias, **prompt):
+                    repetition_penalty=args.repetition_penalty, logit_bias=bias,
+                    structured=structured, **prompt):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 last = chunk

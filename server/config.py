@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 KERNEL_CHOICES = ("auto", "torch", "triton")
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+JUMP_FORWARD = ("exact", "string", "off")
 
 
 def parse_tenant_weights(text: str | tuple) -> tuple[tuple[str, float], ...]:
@@ -140,8 +141,24 @@ class EngineConfig:
         None, "seeds the seeds of requests that bring none (reproducible runs); unset, they "
         "come from the OS, so replicas and restarts never repeat each other's draws",
         default_text="unset (from the OS)")
+    grammar_compile_timeout: float = setting(
+        10.0, "longest a structured-output grammar may take to compile; a request whose "
+        "grammar takes longer fails alone (INVALID_ARGUMENT)", unit="seconds")
+    grammar_cache_bytes: int = setting(
+        256 << 20, "memory for compiled grammars, by (tokenizer, grammar), LRU", unit="bytes")
+    jump_forward: str = setting(
+        "exact", "structured output: exact appends the tokens a grammar forces (one allowed "
+        "token) without a model call each, giving the same tokens as off; string also "
+        "appends the tokenized string a grammar forces (tokens may differ from off's)",
+        choices=JUMP_FORWARD)
 
     def __post_init__(self) -> None:
+        if not self.grammar_compile_timeout >= 0:
+            raise ValueError("grammar_compile_timeout: must be >= 0")
+        if self.grammar_cache_bytes < 0:
+            raise ValueError("grammar_cache_bytes: must be >= 0")
+        if self.jump_forward not in JUMP_FORWARD:
+            raise ValueError(f"jump_forward: {self.jump_forward!r} is not one of {JUMP_FORWARD}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {DTYPE_CHOICES}")
         if self.kernels not in KERNEL_CHOICES:

@@ -53,7 +53,7 @@ from loraplex.server.api import (
     WorkerRequest,
     WorkerStatus,
 )
-from loraplex.server.params import SamplingParams, TokenLogprob
+from loraplex.server.params import SamplingParams, StructuredOutput, TokenLogprob
 from loraplex.server.quote import cap_message
 from loraplex.v1 import (
     adapters_pb2,
@@ -89,7 +89,32 @@ def sampling_params_from_pb(m: generation_pb2.SamplingParams) -> SamplingParams:
                             else _DEFAULT_PARAMS.repetition_penalty),
         logit_bias=tuple(sorted(m.logit_bias.items())), min_p=m.min_p,
         prompt_logprobs=m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
-        n=m.n if m.HasField("n") else _DEFAULT_PARAMS.n)
+        n=m.n if m.HasField("n") else _DEFAULT_PARAMS.n,
+        structured=structured_from_pb(m.structured) if m.HasField("structured") else None)
+
+
+def structured_from_pb(m: generation_pb2.StructuredOutput) -> StructuredOutput:
+    """Raises ``ValueError`` for an empty constraint or one over the bounds."""
+    which = m.WhichOneof("constraint")
+    if which is None:
+        raise ValueError("structured: set one of json_schema, json_object, regex, choice or "
+                         "grammar")
+    if which == "json_object":
+        if not m.json_object:
+            raise ValueError("structured.json_object: must be true when set")
+        return StructuredOutput("json_object")
+    if which == "choice":
+        return StructuredOutput("choice", choices=tuple(m.choice.choices))
+    return StructuredOutput(which, getattr(m, which))
+
+
+def structured_to_pb(s: StructuredOutput) -> generation_pb2.StructuredOutput:
+    if s.kind == "json_object":
+        return generation_pb2.StructuredOutput(json_object=True)
+    if s.kind == "choice":
+        return generation_pb2.StructuredOutput(
+            choice=generation_pb2.Choices(choices=list(s.choices)))
+    return generation_pb2.StructuredOutput(**{s.kind: s.value})
 
 
 def sampling_params_to_pb(p: SamplingParams) -> generation_pb2.SamplingParams:
@@ -108,6 +133,8 @@ def sampling_params_to_pb(p: SamplingParams) -> generation_pb2.SamplingParams:
         m.prompt_logprobs = p.prompt_logprobs
     if p.n != _DEFAULT_PARAMS.n:
         m.n = p.n
+    if p.structured is not None:
+        m.structured.CopyFrom(structured_to_pb(p.structured))
     return m
 
 

@@ -168,6 +168,15 @@ class _EngineCollector(Collector):
              s.adapter_evictions),
             ("loraplex_worker_page_evictions", "Pages evicted by the pager",
              s.pages.num_evictions),
+            ("loraplex_worker_grammar_compiles", "Structured-output grammars compiled",
+             s.grammar_compiles),
+            ("loraplex_worker_grammar_compile_failures",
+             "Grammars that failed to compile or took too long", s.grammar_compile_failures),
+            ("loraplex_worker_grammar_cache_hits", "Grammars served by the compile cache",
+             s.grammar_cache_hits),
+            ("loraplex_worker_jump_forward_tokens",
+             "Output tokens appended by jump-forward (no model step each)",
+             s.jump_forward_tokens),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

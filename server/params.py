@@ -5,6 +5,7 @@ engine)."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -23,6 +24,80 @@ MAX_LOGIT_BIAS = 100.0
 MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty in [-2, 2], as OpenAI bounds them
 MAX_REPETITION_PENALTY = 10.0
 MAX_N = 64  # parallel samples of one request, at most (the gateway's max_n may bound lower)
+# Bounds of a structured-output constraint, checked wherever one is built (the gateway first):
+# a grammar's compile time and memory grow with its size, and xgrammar recurses on nesting.
+MAX_GRAMMAR_BYTES = 64 << 10
+MAX_SCHEMA_DEPTH = 32
+MAX_CHOICES = 256
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's output, compiled against the tokenizer's vocabulary.
+
+    Attributes:
+        kind: ``json_schema`` (``value`` is the schema as JSON text), ``json_object`` (any
+            JSON object; no ``value``), ``regex`` (``value`` must match the whole output),
+            ``choice`` (the output is one of ``choices``) or ``grammar`` (``value`` is an EBNF
+            grammar in xgrammar's GBNF dialect, rooted at ``root``).
+        value: the schema, regex or grammar text.
+        choices: the strings of ``choice``.
+
+    Raises:
+        ValueError: naming ``structured`` and the problem (unknown kind, over the size or
+            nesting bounds, a schema that is not a JSON object).
+    """
+
+    kind: str
+    value: str = ""
+    choices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "choices", tuple(self.choices))
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured: kind {quote(self.kind)} is not one of "
+                             f"{', '.join(STRUCTURED_KINDS)}")
+        size = len(self.value.encode("utf-8", "surrogatepass")) + sum(
+            len(c.encode("utf-8", "surrogatepass")) for c in self.choices)
+        if size > MAX_GRAMMAR_BYTES:
+            raise ValueError(f"structured.{self.kind}: {size} bytes, over the limit of "
+                             f"{MAX_GRAMMAR_BYTES}")
+        if self.kind == "choice":
+            if not 1 <= len(self.choices) <= MAX_CHOICES or not all(self.choices):
+                raise ValueError(f"structured.choice: 1..{MAX_CHOICES} non-empty strings")
+        elif self.choices:
+            raise ValueError(f"structured.{self.kind}: takes no choices")
+        if self.kind in ("regex", "grammar") and not self.value:
+            raise ValueError(f"structured.{self.kind}: must not be empty")
+        if self.kind in ("json_object", "choice") and self.value:
+            raise ValueError(f"structured.{self.kind}: takes no value")
+        if self.kind == "json_schema":
+            _check_schema(self.value)
+
+    @property
+    def key(self) -> tuple[str, str, tuple[str, ...]]:
+        """What identifies the compiled grammar (the compile cache's key beside the
+        tokenizer)."""
+        return (self.kind, self.value, self.choices)
+
+
+def _check_schema(text: str) -> None:
+    try:
+        schema = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"structured.json_schema: not valid JSON ({str(exc)[:120]})") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError("structured.json_schema: must be a JSON object (or true/false)")
+    # Depth counted over containers, iteratively: a deep schema must not recurse here either.
+    stack: list[tuple[object, int]] = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"structured.json_schema: nested deeper than {MAX_SCHEMA_DEPTH}")
+        children = node.values() if isinstance(node, dict) else node if isinstance(
+            node, list) else ()
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
 
 
 @dataclass(frozen=True)
@@ -59,6 +134,7 @@ class SamplingParams:
         prompt_logprobs: None for none; n >= 0 returns, for each prompt token after the
             first, its logprob given the tokens before it and the top n (computed during
             prefill; such a request reuses no cached prefix it has not computed itself).
+        structured: a constraint on the output (JSON schema, regex, choice, grammar), or None.
     """
 
     max_tokens: int = 16
@@ -78,6 +154,7 @@ class SamplingParams:
     min_p: float = 0.0
     prompt_logprobs: int | None = None
     n: int = 1
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -131,6 +208,10 @@ class SamplingParams:
                              f"(1 disables), got {rp!r}")
         if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n: must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if self.n > 1 and self.structured is not None:
+            # One grammar matcher per request today; n sequences would each need their own.
+            raise ValueError("n: n > 1 with a structured-output constraint is not supported "
+                             "yet; send n requests")
         plp = self.prompt_logprobs
         if plp is not None and not (isinstance(plp, int) and 0 <= plp <= MAX_LOGPROBS):
             raise ValueError(f"prompt_logprobs: must be in [0, {MAX_LOGPROBS}], got "

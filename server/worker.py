@@ -5,9 +5,11 @@
    engine refuses it (a prompt that does not fit the context) — all before it is queued.
 2. The engine thread (``EngineLoop``) runs it; each step's tokens stream back as chunks. A
    request that fails ends with its own status: ``FAILED_PRECONDITION`` naming the adapter
-   when its adapter cannot be loaded or placed here, ``INTERNAL`` when sampling or the model
-   step failed for it. These are the request's errors (trailer ``loraplex-origin: request``):
-   the gateway keeps routing to this worker. Only refusals of all work (draining, a failed
+   when its adapter cannot be loaded or placed here, ``INVALID_ARGUMENT`` naming
+   ``structured.<kind>`` when its structured-output constraint does not compile, compiles too
+   slowly or cannot be satisfied, ``INTERNAL`` when sampling or the model step failed for it.
+   These are the request's errors (trailer ``loraplex-origin: request``): the gateway keeps
+   routing to this worker. Only refusals of all work (draining, a failed
    engine) say ``loraplex-origin: server``.
 3. A cancelled call (client gone, deadline passed) raises ``CancelledError`` in the handler;
    closing the stream aborts the request, whose pages return within one step.
@@ -210,6 +212,9 @@ def request_failure(out: RequestOutput) -> ServiceError | None:
         # request's KV: the request's error, not the worker's. A store outage lands here too;
         # the gateway reads the same store and would see it first (UNAVAILABLE there).
         return ServiceError(grpc.StatusCode.FAILED_PRECONDITION, error, cause="adapter")
+    if error.startswith("structured"):
+        # The request's grammar does not compile, compiles too slowly, or can never be met.
+        return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, error, cause="grammar")
     if error.startswith("sampling"):
         return ServiceError(grpc.StatusCode.INTERNAL, error, cause="numerics")
     return ServiceError(grpc.StatusCode.INTERNAL, error, cause="internal")

@@ -37,6 +37,7 @@ from loraplex.server.engine.request import (
 from loraplex.server.engine.sampler import SamplingMetadata, sample
 from loraplex.server.engine.scheduler import Scheduler
 from loraplex.server.engine.step_cost import StepCostModel, StepTimer, StepTimeStats
+from loraplex.server.engine.structured import GrammarService
 from loraplex.server.engine.tokenizer import Detokenizer, load_tokenizer
 from loraplex.server.engine.warmup import warm_up
 from loraplex.server.params import CHAT_ROLES, ChatMessages
@@ -69,6 +70,10 @@ class EngineStats:
     prefix_queried_tokens: dict[str, int] = field(default_factory=dict)  # by tenant
     prefix_hit_tokens: dict[str, int] = field(default_factory=dict)  # by tenant
     step_times: StepTimeStats = StepTimeStats()  # measured against predicted step time
+    grammar_compiles: int = 0  # structured output: compiles run (failed ones included)
+    grammar_compile_failures: int = 0
+    grammar_cache_hits: int = 0
+    jump_forward_tokens: int = 0  # output tokens appended by jump-forward, no model step
 
 
 class Engine:
@@ -119,6 +124,12 @@ class Engine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.grammars: GrammarService | None = None  # structured output (needs a tokenizer)
+        if self.tokenizer is not None:
+            stops = eos | {t for t in (self.tokenizer.end_of_turn_id,) if t is not None}
+            self.grammars = GrammarService(self.tokenizer, self.model_config.vocab_size, stops,
+                                           config.grammar_compile_timeout,
+                                           config.grammar_cache_bytes)
         self._requests: dict[str, list[Request]] = {}  # by the client's id: its n sequences
         self._detok: dict[str, Detokenizer] = {}  # by each sequence's own id
         # A prompt's sequences 1..n-1, by its sequence 0's id, until it has prefilled the
@@ -238,6 +249,11 @@ class Engine:
                                  adapter_digest=adapter_digest, tenant=tenant,
                                  generator=torch.Generator().manual_seed((seed + i) % 2**63),
                                  group_id=request_id if params.n > 1 else "", index=i))
+        if params.structured is not None:  # n == 1 (SamplingParams refuses n > 1 with it)
+            if self.grammars is None:
+                raise ValueError("structured: this model has no tokenizer to compile the "
+                                 "grammar against")
+            group[0].grammar = self.grammars.submit(params.structured)  # compiles off-thread
         for req in group:
             self._detok[req.request_id] = Detokenizer(self.tokenizer, req)
         if params.n > 1:
@@ -310,6 +326,7 @@ class Engine:
         if self.adapters is not None:
             outputs.extend(self._fail_unloadable())
             self.adapters.begin_step()
+        outputs.extend(self._fail_grammars())
         start = time.perf_counter()  # a step's time: scheduling to its outputs
         batch = self.scheduler.schedule()
         if not batch.requests:
@@ -347,9 +364,13 @@ class Engine:
         if not rows:
             self.step_timer.record(batch.shape, time.perf_counter() - start)
             return outputs
+        mask_errors: dict[int, str] = {}  # rows whose grammar allows no token, and why
         try:
             metadata = SamplingMetadata.from_requests(sampling, self.model_config.vocab_size,
                                                       self.eos_token_ids, run.logits.device)
+            if self.grammars is not None:
+                bitmask, mask_errors = self.grammars.bitmask(sampling)
+                metadata = replace(metadata, allowed_token_bitmask=bitmask)
             result = sample(run.logits[rows], metadata)
         except Exception as exc:  # a bug in the sampler: this batch's sampling requests fail
             logger.exception("sampling failed")
@@ -359,11 +380,13 @@ class Engine:
         failed = set(result.failed_rows)
         for row, req in enumerate(sampling):
             if row in failed:
-                outputs.append(self._fail(req, SAMPLING_FAILED, log=False))
+                outputs.append(self._fail(req, mask_errors.get(row, SAMPLING_FAILED), log=False))
                 continue
             try:
-                outputs.append(self._append_token(req, result.token_ids[row],
-                                                  result.logprobs[row]))
+                out = self._append_token(req, result.token_ids[row], result.logprobs[row])
+                if req.grammar is not None and not out.finished:
+                    out = self._jump_forward(req, out)
+                outputs.append(out)
             except Exception as exc:
                 outputs.append(self._fail(req, f"internal error in postprocessing: {exc}"))
         self.step_timer.record(batch.shape, time.perf_counter() - start)
@@ -394,7 +417,9 @@ class Engine:
             req.logprobs.append(lp)
         params = req.params
         status = None
-        if (token in params.stop_token_ids
+        if req.grammar is not None and req.grammar.accept(req, token):
+            status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
+        elif (token in params.stop_token_ids
                 or (not params.ignore_eos and token in self.eos_token_ids)):
             status = RequestStatus.FINISHED_STOPPED
         elif (req.num_output_tokens >= params.max_tokens
@@ -416,6 +441,57 @@ class Engine:
         out = self._finish(req, status, text, [token], [lp] if lp is not None else [])
         out.prompt_logprobs = list(prompt_lps)
         return out
+
+    def _jump_forward(self, req: Request, out: RequestOutput) -> RequestOutput:
+        """Exact jump-forward: append the tokens ``req``'s grammar forces (one allowed token
+        each) without a model call; the scheduler computes them as one chunk next step.
+
+        Identical to sampling them: a one-token mask leaves greedy and sampled rows no other
+        choice, and a sampled row's generator draws once per forced token as it would have
+        (seeded outputs stay the same). Requests asking for logprobs are not jumped (a forced
+        token's logprob needs the model's logits). ``jump_forward = string`` first appends
+        the string the grammar forces, as the tokenizer cuts it (valid, not identical)."""
+        grammar = req.grammar
+        if (grammar is None or self.grammars is None or self.config.jump_forward == "off"
+                or req.params.logprobs is not None):
+            return out
+        vocab = self.model_config.vocab_size
+        while not out.finished:
+            if self.config.jump_forward == "string":
+                tokens = self.grammars.tokenize_forced(grammar.forced_string(req))
+                if tokens:
+                    for token in tokens:
+                        if out.finished:
+                            break
+                        self.grammars.num_jumped_tokens += 1
+                        nxt = self._append_token(req, token, None)
+                        out = replace(nxt, new_token_ids=out.new_token_ids + nxt.new_token_ids,
+                                      new_text=out.new_text + nxt.new_text)
+                    continue
+            token = grammar.forced_token(req, vocab)
+            if token is None:
+                return out
+            if not req.params.greedy and req.generator is not None:
+                onehot = torch.zeros(vocab)
+                onehot[token] = 1.0
+                torch.multinomial(onehot, 1, generator=req.generator)
+            self.grammars.num_jumped_tokens += 1
+            nxt = self._append_token(req, token, None)
+            out = replace(nxt, new_token_ids=out.new_token_ids + nxt.new_token_ids,
+                          new_text=out.new_text + nxt.new_text)
+        return out
+
+    def _fail_grammars(self) -> list[RequestOutput]:
+        """Waiting requests whose grammar failed to compile, or compiles for too long, fail
+        alone with the reason (``structured.*``: the worker's INVALID_ARGUMENT)."""
+        now = time.monotonic()
+        outputs = []
+        for req in list(self.scheduler.waiting):
+            error = req.grammar.poll(now) if req.grammar is not None else None
+            if error is not None:
+                req.error = error
+                outputs.append(self._finish(req, RequestStatus.FINISHED_ERROR, ""))
+        return outputs
 
     def _finish(self, req: Request, status: RequestStatus, text: str,
                 new_token_ids: list[int] | None = None,
@@ -478,7 +554,14 @@ class Engine:
             p = self.prefix_cache.stats()
             prefix_fields = dict(prefix_queried_tokens=p.queried_tokens,
                                  prefix_hit_tokens=p.hit_tokens)
+        grammar_fields = {}
+        if self.grammars is not None:
+            g = self.grammars
+            grammar_fields = dict(grammar_compiles=g.num_compiles,
+                                  grammar_compile_failures=g.num_compile_failures,
+                                  grammar_cache_hits=g.cache.hits,
+                                  jump_forward_tokens=g.num_jumped_tokens)
         return EngineStats(self.scheduler.num_waiting, self.scheduler.num_running,
                            self.scheduler.num_preemptions, self.pager.stats(), self._num_steps,
-                           **adapter_fields, **prefix_fields,
+                           **adapter_fields, **prefix_fields, **grammar_fields,
                            step_times=self.step_timer.stats())

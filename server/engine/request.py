@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,9 @@ from loraplex.server.params import (
     SamplingParams,
     TokenLogprob,
 )
+
+if TYPE_CHECKING:
+    from loraplex.server.engine.structured import GrammarState
 
 __all__ = ["MAX_LOGIT_BIAS", "MAX_LOGIT_BIAS_TOKENS", "MAX_LOGPROBS", "MAX_N", "MAX_PENALTY",
            "MAX_REPETITION_PENALTY", "MAX_STOP_STRINGS", "MAX_STOP_STRING_LEN",
@@ -79,6 +83,7 @@ class Request:
     def output_id(self) -> str:
         """The id outputs are reported under: the client's request (all n children share it)."""
         return self.group_id or self.request_id
+    grammar: GrammarState | None = None  # structured output: its compiled grammar and matcher
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -265,6 +265,9 @@ class Scheduler:
             if self.gate is not None and not self.gate.ready(req):
                 passed.add(req.request_id)  # its adapter is still loading
                 continue
+            if req.grammar is not None and not req.grammar.ready:
+                passed.add(req.request_id)  # its grammar is still compiling
+                continue
             digest = req.adapter_digest
             if cap and digest and digest not in active and len(active) >= cap:
                 passed.add(req.request_id)  # over the distinct-adapter cap

@@ -44,7 +44,14 @@ from loraplex.server.http.errors import (
     service_error_body,
     service_error_response,
 )
-from loraplex.server.http.schema import BadRequest, chat_request, completion_requests, parse_json
+from loraplex.server.http.schema import (
+    BadRequest,
+    chat_request,
+    chat_tools,
+    completion_requests,
+    parse_json,
+)
+from loraplex.server.http.tools import ToolCalls
 from loraplex.server.worker import MAX_MESSAGE_BYTES
 
 T = TypeVar("T")
@@ -252,21 +259,22 @@ class OpenAIApp:
             doc = parse_json(await _read_body(request))
             request_id = self._request_id(request) or uuid.uuid4().hex
             body, gen = chat_request(doc, self.chat_default_max_tokens, request_id)
+            tools = chat_tools(body)
             adapter = self._adapter(body.model)
         except BadRequest as exc:
             return error_response(exc.status, str(exc), "invalid_request_error", exc.param)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await self._respond(request, [replace(gen, adapter=adapter)], body.model,
                                    body.stream, include_usage, chat=True,
-                                   response_id=f"chatcmpl-{request_id}")
+                                   response_id=f"chatcmpl-{request_id}", tools=tools)
 
     async def _respond(self, request: Request, gens: list[GenerateRequest], model: str,
-                       stream: bool, include_usage: bool, chat: bool, response_id: str
-                       ) -> Response:
+                       stream: bool, include_usage: bool, chat: bool, response_id: str,
+                       tools: ToolCalls | None = None) -> Response:
         call = HttpCall(request.headers.raw, self.timeout_seconds)
         chunks = merge([self.service.generate_stream(g, call) for g in gens])
         created = int(time.time())
-        shape = _Shape(response_id, created, model, chat)
+        shape = _Shape(response_id, created, model, chat, tools)
         try:
             if not stream:  # _gather closes the chunks
                 results = await until_disconnect(request, _gather(chunks, len(gens)))
@@ -289,6 +297,7 @@ class OpenAIApp:
                       chunks: AsyncGenerator[tuple[int, GenerateChunk], None], shape: _Shape,
                       include_usage: bool) -> AsyncIterator[dict[str, str]]:
         usages: list[Usage] = []
+        calls_text = ""
 
         def event(obj: dict[str, Any]) -> dict[str, str]:
             if include_usage and "usage" not in obj:
@@ -304,7 +313,13 @@ class OpenAIApp:
                     i, chunk = pending
                     if chunk.usage is not None:
                         usages.append(chunk.usage)
-                    if chunk.text or chunk.logprobs or chunk.finished:
+                    if shape.tools is not None:
+                        # A tool call is sent whole, once its JSON is complete.
+                        calls_text += chunk.text
+                        if chunk.finished:
+                            for obj in shape.tool_call_deltas(shape.tools, calls_text, chunk):
+                                yield event(obj)
+                    elif chunk.text or chunk.logprobs or chunk.finished:
                         yield event(shape.delta(i, chunk))
                     pending = await anext(chunks, None)
             except ServiceError as exc:
@@ -327,11 +342,23 @@ async def _gather(chunks: AsyncGenerator[tuple[int, GenerateChunk], None], num: 
 class _Shape:
     """Completions or chat objects of one response."""
 
-    def __init__(self, response_id: str, created: int, model: str, chat: bool) -> None:
+    def __init__(self, response_id: str, created: int, model: str, chat: bool,
+                 tools: ToolCalls | None = None) -> None:
         self.response_id = response_id
         self.created = created
         self.model = model
         self.chat = chat
+        self.tools = tools
+
+    def tool_call_deltas(self, tools: ToolCalls, text: str, last: GenerateChunk
+                         ) -> list[dict[str, Any]]:
+        """The stream's end for a tool call: the call in one delta and ``tool_calls``, or,
+        cut short by ``max_tokens``, the partial text and ``length``."""
+        if last.finish_reason != "stop":
+            return [self.chunk(0, {"content": text}, None, last.finish_reason)]
+        calls = [{"index": i, **c} for i, c in enumerate(tools.parse(text))]
+        return [self.chunk(0, {"tool_calls": calls}, None, None),
+                self.chunk(0, {}, None, "tool_calls")]
 
     def envelope(self, choices: list[dict[str, Any]], usage: Usage | None = None
                  ) -> dict[str, Any]:
@@ -355,10 +382,14 @@ class _Shape:
         usage = out.total_usage([r.usage for r in results])
         if self.chat:
             r = results[0]
-            choices = [{"index": 0, "message": {"role": "assistant", "content": r.text,
-                                                "refusal": None},
+            message: dict[str, Any] = {"role": "assistant", "content": r.text, "refusal": None}
+            finish_reason = r.finish_reason
+            if self.tools is not None and finish_reason == "stop":
+                message.update(content=None, tool_calls=self.tools.parse(r.text))
+                finish_reason = "tool_calls"
+            choices = [{"index": 0, "message": message,
                         "logprobs": out.chat_logprobs(r.logprobs),
-                        "finish_reason": r.finish_reason}]
+                        "finish_reason": finish_reason}]
             return out.envelope("chat.completion", self.response_id, self.created,
                                 self.model, choices, usage)
         choices = [{"index": i, "text": r.text, "logprobs": out.completion_logprobs(r.logprobs),

@@ -2,20 +2,26 @@
 
 A body is bounded before it is parsed (bytes, JSON nesting), then validated strictly against
 the models below: unknown fields, wrong types and parameters loraplex does not implement yet
-(``n > 1``, penalties, ``logit_bias``, ``response_format``, ``tools``...) are 400 naming the
-parameter, never silently ignored. Defaults are OpenAI's (``temperature`` 1, completions
+(``n > 1``, penalties, ``logit_bias``...) are 400 naming the parameter, never silently
+ignored. ``response_format`` and vLLM's ``guided_*`` fields map to a structured-output
+constraint (``server/http/structured.py``), and so do ``tools`` with ``tool_choice``
+(``server/http/tools.py``). Defaults are OpenAI's (``temperature`` 1, completions
 ``max_tokens`` 16), not the gRPC API's.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from loraplex.server.api import ChatMessage, ChatMessages, GenerateRequest
 from loraplex.server.engine.request import SamplingParams
+from loraplex.server.http.structured import StructuredError, structured_output
+from loraplex.server.http.tools import ToolCalls, render_tool_calls, tool_calls
+from loraplex.server.params import StructuredOutput
 
 MAX_JSON_DEPTH = 32
 MAX_PROMPTS = 64
@@ -47,9 +53,24 @@ class TextPart(_Strict):
     text: str
 
 
+class CalledFunction(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    """A call an earlier assistant turn made (sent back in the conversation)."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class Message(_Strict):
     role: str
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None  # required, but on an assistant's tool call
+    tool_calls: list[ToolCall] | None = None  # assistant turns only
+    tool_call_id: str | None = None  # tool turns: the call this answers
 
 
 class _Common(_Strict):
@@ -72,6 +93,10 @@ class _Common(_Strict):
     top_k: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionBody(_Common):
@@ -161,7 +186,17 @@ def _refuse_unsupported(body: _Common, extra: dict[str, Any]) -> None:
             raise BadRequest(f"{name}: not supported by this server yet", param=name)
 
 
-def _params(body: _Common, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _structured(body: _Common, response_format: dict[str, Any] | None
+                ) -> StructuredOutput | None:
+    try:
+        return structured_output(response_format, body.guided_json, body.guided_regex,
+                                 body.guided_choice, body.guided_grammar)
+    except StructuredError as exc:
+        raise BadRequest(str(exc), param=exc.param) from None
+
+
+def _params(body: _Common, max_tokens: int, logprobs: int | None,
+            response_format: dict[str, Any] | None = None) -> SamplingParams:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     fields: dict[str, Any] = {
         "max_tokens": max_tokens,
@@ -170,12 +205,42 @@ def _params(body: _Common, max_tokens: int, logprobs: int | None) -> SamplingPar
         "top_p": 1.0 if body.top_p is None else body.top_p,
         "top_k": body.top_k or 0, "seed": body.seed, "stop": stop,
         "stop_token_ids": tuple(body.stop_token_ids or ()),
-        "ignore_eos": bool(body.ignore_eos), "logprobs": logprobs}
+        "ignore_eos": bool(body.ignore_eos), "logprobs": logprobs,
+        "structured": _structured(body, response_format)}
     try:
         return SamplingParams(**fields)
     except ValueError as exc:
         # SamplingParams names the field first ("max_tokens: ...").
         raise BadRequest(str(exc), param=str(exc).split(":", 1)[0]) from None
+
+
+def _chat_message(i: int, m: Message) -> ChatMessage:
+    # OpenAI's "developer" messages are what chat templates know as "system" ones.
+    role = "system" if m.role == "developer" else m.role
+    if m.tool_calls is not None and role != "assistant":
+        raise BadRequest(f"messages[{i}].tool_calls: only assistant messages make tool calls",
+                         param=f"messages[{i}].tool_calls")
+    if m.tool_call_id is not None and role != "tool":
+        raise BadRequest(f"messages[{i}].tool_call_id: only tool messages answer a call",
+                         param=f"messages[{i}].tool_call_id")
+    if m.content is None and not m.tool_calls:
+        raise BadRequest(f"messages[{i}].content: required", param=f"messages[{i}].content")
+    text = m.content if isinstance(m.content, str) else "".join(
+        part.text for part in m.content or [])
+    if m.tool_calls:
+        # The call as the model wrote it (the tool-call constraint's form), so that the
+        # conversation reads back as the model would continue it.
+        text += render_tool_calls([(c.function.name, c.function.arguments)
+                                   for c in m.tool_calls])
+    return ChatMessage(role=role, content=text)
+
+
+def chat_tools(body: ChatBody) -> ToolCalls | None:
+    """The tool call a chat body asks for (None: text). Raises ``BadRequest``."""
+    try:
+        return tool_calls(body.tools, body.tool_choice)
+    except StructuredError as exc:
+        raise BadRequest(str(exc), param=exc.param) from None
 
 
 def completion_requests(doc: Any, request_id: str = "") -> tuple[CompletionBody,
@@ -219,11 +284,8 @@ def chat_request(doc: Any, default_max_tokens: int, request_id: str = ""
         BadRequest: naming the parameter.
     """
     body: ChatBody = _validate(ChatBody, doc)
-    response_format = (body.response_format or {}).get("type", "text")
-    _refuse_unsupported(body, {
-        "response_format": response_format != "text",
-        "tools": bool(body.tools),
-        "tool_choice": body.tool_choice not in (None, "none", "auto")})
+    _refuse_unsupported(body, {})
+    tools = chat_tools(body)
     if not body.messages:
         raise BadRequest("messages: must not be empty", param="messages")
     if body.max_tokens is not None and body.max_completion_tokens is not None \
@@ -239,11 +301,12 @@ def chat_request(doc: Any, default_max_tokens: int, request_id: str = ""
             raise BadRequest(f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}]",
                              param="top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = _params(body, default_max_tokens if max_tokens is None else max_tokens, logprobs)
-    # OpenAI's "developer" messages are what chat templates know as "system" ones.
-    messages = ChatMessages(tuple(
-        ChatMessage(role="system" if m.role == "developer" else m.role,
-                    content=m.content if isinstance(m.content, str)
-                    else "".join(part.text for part in m.content))
-        for m in body.messages))
+    params = _params(body, default_max_tokens if max_tokens is None else max_tokens, logprobs,
+                     body.response_format)
+    if tools is not None:
+        if params.structured is not None:
+            raise BadRequest("tool_choice: a tool call cannot also follow response_format or "
+                             "guided_*", param="tool_choice")
+        params = replace(params, structured=tools.constraint)
+    messages = ChatMessages(tuple(_chat_message(i, m) for i, m in enumerate(body.messages)))
     return body, GenerateRequest(prompt=messages, params=params, request_id=request_id)

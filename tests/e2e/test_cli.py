@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -42,6 +43,14 @@ def test_serve_generate_push_and_sigterm(model_dir: Path, tmp_path: Path,
             assert out.rstrip("\n") == client.generate(messages=chat, max_tokens=6).text
         assert cli_main(["generate", "--server", address, "--system", "x", "Hello"]) == 2
         capsys.readouterr()
+        assert cli_main(["generate", "--server", address, "--max-tokens", "20", "--regex",
+                         "[0-9]{3}-[a-z]{2}", "Hello"]) == 0
+        out, err = capsys.readouterr()
+        assert re.fullmatch("[0-9]{3}-[a-z]{2}", out.rstrip("\n")) and "[stop: " in err
+        assert cli_main(["generate", "--server", address, "--grammar", "root ::= (",
+                         "Hello"]) == 1
+        _, err = capsys.readouterr()
+        assert "INVALID_ARGUMENT: structured.grammar: does not compile" in err
 
         args = ["--max-tokens", "4", "--logit-bias", "65=100", "--min-tokens", "2",
                 "--repetition-penalty", "1.2", "--presence-penalty", "0.5",

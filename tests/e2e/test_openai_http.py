@@ -291,8 +291,8 @@ def test_chat_validation(cluster: Cluster) -> None:
     client = oai(cluster)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     for kwargs, param in (({"n": 3}, "n"), ({"tools": [{"type": "function", "function": {
-            "name": "f", "parameters": {}}}]}, "tools"),
-            ({"response_format": {"type": "json_object"}}, "response_format"),
+            "name": "f", "parameters": {}}}]}, "tool_choice"),
+            ({"response_format": {"type": "yaml"}}, "response_format.type"),
             ({"tool_choice": "required"}, "tool_choice"),
             ({"top_logprobs": 2}, "top_logprobs"),
             ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),

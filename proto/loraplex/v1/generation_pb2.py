@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cloraplex/v1/generation.proto\x12\x0bloraplex.v1\"\xbe\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x03\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\x04\x88\x01\x01\x12>\n\nlogit_bias\x18\x0e \x03(\x0b\x32*.loraplex.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\x0f \x01(\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\x05\x88\x01\x01\x12\x0e\n\x01n\x18\x11 \x01(\rH\x06\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobsB\x04\n\x02_n\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.loraplex.v1.ChatMessage\"\xd8\x01\n\x0fGenerateRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.loraplex.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x06 \x01(\x0b\x32\x19.loraplex.v1.ChatMessagesH\x00\x12+\n\x06params\x18\x04 \x01(\x0b\x32\x1b.loraplex.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.loraplex.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"L\n\x06Timing\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x14\n\x0cttft_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\"\xae\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.loraplex.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.loraplex.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.loraplex.v1.Usage\x12#\n\x06timing\x18\x07 \x01(\x0b\x32\x13.loraplex.v1.Timing\x12\r\n\x05index\x18\x08 \x01(\r\x12\x32\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x19.loraplex.v1.TokenLogprob\"\xa2\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.loraplex.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.loraplex.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.loraplex.v1.Usage\x12#\n\x06timing\x18\x07 \x01(\x0b\x32\x13.loraplex.v1.Timing\x12\x32\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x19.loraplex.v1.TokenLogprob*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xa3\x01\n\nGeneration\x12G\n\x08Generate\x12\x1c.loraplex.v1.GenerateRequest\x1a\x1d.loraplex.v1.GenerateResponse\x12L\n\x0eGenerateStream\x12\x1c.loraplex.v1.GenerateRequest\x1a\x1a.loraplex.v1.GenerateChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cloraplex/v1/generation.proto\x12\x0bloraplex.v1\"\xf1\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x03\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\x04\x88\x01\x01\x12>\n\nlogit_bias\x18\x0e \x03(\x0b\x32*.loraplex.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\x0f \x01(\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\x05\x88\x01\x01\x12\x0e\n\x01n\x18\x11 \x01(\rH\x06\x88\x01\x01\x12\x31\n\nstructured\x18\x14 \x01(\x0b\x32\x1d.loraplex.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobsB\x04\n\x02_n\"\x9a\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x14.loraplex.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.loraplex.v1.ChatMessage\"\xd8\x01\n\x0fGenerateRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.loraplex.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x06 \x01(\x0b\x32\x19.loraplex.v1.ChatMessagesH\x00\x12+\n\x06params\x18\x04 \x01(\x0b\x32\x1b.loraplex.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.loraplex.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"L\n\x06Timing\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x14\n\x0cttft_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\"\xae\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.loraplex.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.loraplex.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.loraplex.v1.Usage\x12#\n\x06timing\x18\x07 \x01(\x0b\x32\x13.loraplex.v1.Timing\x12\r\n\x05index\x18\x08 \x01(\r\x12\x32\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x19.loraplex.v1.TokenLogprob\"\xa2\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.loraplex.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.loraplex.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.loraplex.v1.Usage\x12#\n\x06timing\x18\x07 \x01(\x0b\x32\x13.loraplex.v1.Timing\x12\x32\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x19.loraplex.v1.TokenLogprob*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xa3\x01\n\nGeneration\x12G\n\x08Generate\x12\x1c.loraplex.v1.GenerateRequest\x1a\x1d.loraplex.v1.GenerateResponse\x12L\n\x0eGenerateStream\x12\x1c.loraplex.v1.GenerateRequest\x1a\x1a.loraplex.v1.GenerateChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,32 +33,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1868
-  _globals['_FINISHREASON']._serialized_end=1963
+  _globals['_FINISHREASON']._serialized_start=2104
+  _globals['_FINISHREASON']._serialized_end=2199
   _globals['_SAMPLINGPARAMS']._serialized_start=46
-  _globals['_SAMPLINGPARAMS']._serialized_end=620
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=476
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=524
-  _globals['_TOKENIDS']._serialized_start=622
-  _globals['_TOKENIDS']._serialized_end=645
-  _globals['_CHATMESSAGE']._serialized_start=647
-  _globals['_CHATMESSAGE']._serialized_end=691
-  _globals['_CHATMESSAGES']._serialized_start=693
-  _globals['_CHATMESSAGES']._serialized_end=751
-  _globals['_GENERATEREQUEST']._serialized_start=754
-  _globals['_GENERATEREQUEST']._serialized_end=970
-  _globals['_TOPLOGPROB']._serialized_start=972
-  _globals['_TOPLOGPROB']._serialized_end=1019
-  _globals['_TOKENLOGPROB']._serialized_start=1021
-  _globals['_TOKENLOGPROB']._serialized_end=1108
-  _globals['_USAGE']._serialized_start=1110
-  _globals['_USAGE']._serialized_end=1190
-  _globals['_TIMING']._serialized_start=1192
-  _globals['_TIMING']._serialized_end=1268
-  _globals['_GENERATECHUNK']._serialized_start=1271
-  _globals['_GENERATECHUNK']._serialized_end=1573
-  _globals['_GENERATERESPONSE']._serialized_start=1576
-  _globals['_GENERATERESPONSE']._serialized_end=1866
-  _globals['_GENERATION']._serialized_start=1966
-  _globals['_GENERATION']._serialized_end=2129
+  _globals['_SAMPLINGPARAMS']._serialized_end=671
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=527
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=575
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=674
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=828
+  _globals['_CHOICES']._serialized_start=830
+  _globals['_CHOICES']._serialized_end=856
+  _globals['_TOKENIDS']._serialized_start=858
+  _globals['_TOKENIDS']._serialized_end=881
+  _globals['_CHATMESSAGE']._serialized_start=883
+  _globals['_CHATMESSAGE']._serialized_end=927
+  _globals['_CHATMESSAGES']._serialized_start=929
+  _globals['_CHATMESSAGES']._serialized_end=987
+  _globals['_GENERATEREQUEST']._serialized_start=990
+  _globals['_GENERATEREQUEST']._serialized_end=1206
+  _globals['_TOPLOGPROB']._serialized_start=1208
+  _globals['_TOPLOGPROB']._serialized_end=1255
+  _globals['_TOKENLOGPROB']._serialized_start=1257
+  _globals['_TOKENLOGPROB']._serialized_end=1344
+  _globals['_USAGE']._serialized_start=1346
+  _globals['_USAGE']._serialized_end=1426
+  _globals['_TIMING']._serialized_start=1428
+  _globals['_TIMING']._serialized_end=1504
+  _globals['_GENERATECHUNK']._serialized_start=1507
+  _globals['_GENERATECHUNK']._serialized_end=1809
+  _globals['_GENERATERESPONSE']._serialized_start=1812
+  _globals['_GENERATERESPONSE']._serialized_end=2102
+  _globals['_GENERATION']._serialized_start=2202
+  _globals['_GENERATION']._serialized_end=2365
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,370 @@
+"""Structured output: grammars compiled against the tokenizer's vocabulary (xgrammar), a compile
+cache bounded in bytes, per-request matchers, and exact jump-forward.
+
+A constrained request goes through four places:
+
+1. ``GrammarService.submit`` (any thread, from ``Engine.add_request``): a cache hit is ready at
+   once; a miss compiles on a compile thread, never on the engine thread. Until it is ready the
+   scheduler passes the request over (as it does a request whose adapter is loading), so the
+   queue behind it moves on. A grammar that fails to compile, or compiles for longer than
+   ``grammar_compile_timeout``, gives the request an error starting ``structured.``, which the
+   worker answers with ``INVALID_ARGUMENT``.
+2. Each step, ``GrammarService.bitmask`` fills the allowed-token bitmask row of every
+   constrained request of the batch (free rows allow every token); the sampler applies it for
+   any mix of rows.
+3. ``GrammarState.accept`` advances the request's matcher with each appended token and says
+   when the grammar has terminated (the request then finishes with reason ``stop``).
+4. Exact jump-forward (``GrammarState.forced_token``): while the grammar allows exactly one
+   token, the engine appends it without a model call; the scheduler computes those tokens as
+   one prefill chunk next step. The output is token for token what decoding one step per
+   token gives, since a mask of one token leaves the sampler no choice. String mode
+   (``jump_forward = string``) first appends the whole string the grammar forces
+   (``GrammarState.forced_string``), tokenized alone (``GrammarService.tokenize_forced``):
+   it jumps where a BPE vocabulary offers several first tokens (``{"`` against ``{``), and its
+   tokens may differ from the model's own choice, so it is checked for validity, not identity.
+
+The matcher follows ``output_token_ids``: after a preemption (recompute) the request's tokens
+are replayed through a fresh matcher, so a request's grammar state never depends on where its
+KV came from (prefix cache, recompute).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from loraplex.server.engine.request import Request
+from loraplex.server.engine.sampler import unpack_bitmask
+from loraplex.server.engine.tokenizer import Tokenizer
+from loraplex.server.engine.utf8_filter import START, Utf8Filter
+from loraplex.server.params import StructuredOutput
+
+logger = logging.getLogger(__name__)
+
+_COMPILE_THREADS = 2
+_XGR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
+
+
+class GrammarCache:
+    """Compiled grammars by key, least recently used first out, bounded in bytes (thread-safe:
+    compile threads insert, ``submit`` reads)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[tuple, Any] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: tuple) -> Any | None:
+        with self._lock:
+            compiled = self._entries.get(key)
+            if compiled is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return compiled
+
+    def put(self, key: tuple, compiled: Any) -> None:
+        size = int(compiled.memory_size_bytes)
+        with self._lock:
+            if key in self._entries or size > self.max_bytes:
+                return
+            self._entries[key] = compiled
+            self._bytes += size
+            while self._bytes > self.max_bytes:
+                _, old = self._entries.popitem(last=False)
+                self._bytes -= int(old.memory_size_bytes)
+
+    @property
+    def num_bytes(self) -> int:
+        return self._bytes
+
+
+class GrammarState:
+    """One request's grammar: compiling, failed, or compiled with its matcher."""
+
+    def __init__(self, spec: StructuredOutput, timeout: float) -> None:
+        self.spec = spec
+        self.timeout = timeout
+        self.compiled: Any = None
+        self.error: str | None = None
+        self.compile_started: float | None = None  # set by the compile thread
+        self.utf8: Utf8Filter | None = None  # set with ``compiled``
+        self._utf8_state = START
+        self._matcher: Any = None
+        self._num_preemptions = 0
+
+    @property
+    def ready(self) -> bool:
+        """Compiled: the request may be scheduled."""
+        return self.compiled is not None
+
+    def poll(self, now: float) -> str | None:
+        """The request's error, if its grammar failed or has compiled for too long."""
+        if self.error is None and self.compiled is None and self.compile_started is not None:
+            elapsed = now - self.compile_started
+            if elapsed > self.timeout:
+                self.error = _timeout_error(self.spec, elapsed, self.timeout)
+        return self.error
+
+    def _matcher_for(self, req: Request) -> Any:
+        if self._matcher is None or self._num_preemptions != req.num_preemptions:
+            # Recomputed (or first use): replay the request's tokens through a fresh matcher.
+            matcher = xgr.GrammarMatcher(self.compiled)
+            self._utf8_state = START
+            for token in req.output_token_ids:
+                if not matcher.accept_token(token):
+                    raise ValueError(f"structured.{self.spec.kind}: replaying token {token} "
+                                     "was refused by the grammar")
+                self._advance_utf8(token)
+            self._matcher = matcher
+            self._num_preemptions = req.num_preemptions
+        return self._matcher
+
+    def fill(self, req: Request, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens allowed next into ``bitmask[row]`` (``[R, ceil(V / 32)]`` int32)."""
+        self._matcher_for(req).fill_next_token_bitmask(bitmask, row)
+        if self.utf8 is not None:
+            bitmask[row] &= self.utf8.masks[self._utf8_state]
+
+    def accept(self, req: Request, token: int) -> bool:
+        """Advance the matcher with ``token`` (just appended to ``req``'s outputs); True when
+        the grammar has terminated. Raises ``ValueError`` if the grammar refuses the token."""
+        # The matcher already holds every output but this last one, unless it must be rebuilt.
+        if self._matcher is None or self._num_preemptions != req.num_preemptions:
+            self._matcher_for(req)  # replays the outputs, the new token included
+        elif not self._matcher.accept_token(token):
+            raise ValueError(f"structured.{self.spec.kind}: token {token} was refused by the "
+                             "grammar")
+        else:
+            self._advance_utf8(token)
+        return bool(self._matcher.is_terminated())
+
+    def _advance_utf8(self, token: int) -> None:
+        if self.utf8 is not None:
+            self._utf8_state = self.utf8.advance(self._utf8_state, token)
+
+    def forced_string(self, req: Request) -> str:
+        """The text the grammar forces next ("" when the next character is free)."""
+        return str(self._matcher_for(req).find_jump_forward_string())
+
+    def forced_token(self, req: Request, vocab_size: int) -> int | None:
+        """The one token the grammar allows next, or None when it allows several (or none)."""
+        bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)]
+        self.fill(req, bitmask, 0)
+        allowed = torch.nonzero(unpack_bitmask(bitmask, vocab_size)[0]).flatten()
+        return int(allowed[0]) if allowed.numel() == 1 else None
+
+
+class GrammarService:
+    """Compiles requests' constraints off the engine thread and fills their bitmask rows.
+
+    Args:
+        tokenizer: the engine's tokenizer (its Hugging Face tokenizer gives the vocabulary).
+        vocab_size: the model's vocabulary (logit rows; may exceed the tokenizer's).
+        stop_token_ids: tokens that end generation, which a complete grammar allows.
+        timeout: ``grammar_compile_timeout`` in seconds (0: every compile fails, cache hits
+            pass).
+        cache_bytes: bound of the compile cache.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int],
+                 timeout: float, cache_bytes: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(set(stop_token_ids))
+        self.timeout = timeout
+        self.cache = GrammarCache(cache_bytes)
+        self._compiler: Any = None
+        self.utf8: Utf8Filter | None = None  # built with the compiler
+        self._compiler_lock = threading.Lock()
+        self._inflight: dict[tuple, list[GrammarState]] = {}
+        self._inflight_lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="grammar")
+        # Read the vocabulary now, in the background: the first constrained request then
+        # waits for its grammar only.
+        self._executor.submit(self._warm).add_done_callback(_log_unexpected)
+        self.num_compiles = 0
+        self.num_compile_failures = 0
+        self.num_jumped_tokens = 0
+
+    def submit(self, spec: StructuredOutput) -> GrammarState:
+        """A request's grammar state: ready now on a cache hit, else compiling (any thread)."""
+        state = GrammarState(spec, self.timeout)
+        compiled = self.cache.get(spec.key)
+        if compiled is not None:
+            state.utf8, state.compiled = self.utf8, compiled
+            return state
+        with self._inflight_lock:
+            waiters = self._inflight.get(spec.key)
+            if waiters is not None:  # the same grammar is compiling: share its result
+                waiters.append(state)
+                return state
+            self._inflight[spec.key] = [state]
+        future: Future[None] = self._executor.submit(self._compile, spec)
+        future.add_done_callback(_log_unexpected)
+        return state
+
+    def _warm(self) -> None:
+        try:
+            self._get_compiler()
+        except Exception:  # each constrained request will then fail with the reason
+            logger.exception("xgrammar cannot read this model's tokenizer")
+
+    def _compile(self, spec: StructuredOutput) -> None:
+        compiled, error, compiler = None, None, None
+        try:
+            compiler = self._get_compiler()  # the vocabulary's reading is not the grammar's time
+        except Exception as exc:
+            error = (f"structured.{spec.kind}: this model's tokenizer cannot be read by "
+                     f"xgrammar: {_first_line(exc)}")
+        started = time.monotonic()
+        with self._inflight_lock:
+            for state in self._inflight.get(spec.key, []):
+                state.compile_started = started
+        try:
+            if compiler is not None:
+                compiled = self._compile_spec(compiler, spec)
+        except Exception as exc:  # xgrammar raises RuntimeError/ValueError for bad grammars
+            error = f"structured.{spec.kind}: does not compile: {_first_line(exc)}"
+        elapsed = time.monotonic() - started
+        if error is None and elapsed > self.timeout:
+            error, compiled = _timeout_error(spec, elapsed, self.timeout), None
+        if compiled is not None:
+            self.cache.put(spec.key, compiled)
+        with self._inflight_lock:
+            self.num_compiles += 1
+            self.num_compile_failures += error is not None
+            for state in self._inflight.pop(spec.key, []):
+                # ``compiled`` last: once it is set the engine thread may use the state.
+                state.error, state.utf8, state.compiled = error, self.utf8, compiled
+
+    def _compile_spec(self, compiler: Any, spec: StructuredOutput) -> Any:
+        if spec.kind == "json_schema":
+            schema = bounded_strings_as_patterns(json.loads(spec.value))
+            return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+        if spec.kind == "json_object":
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if spec.kind == "regex":
+            return compiler.compile_regex(spec.value)
+        if spec.kind == "choice":
+            return compiler.compile_grammar(choice_grammar(spec.choices))
+        return compiler.compile_grammar(spec.value)
+
+    def _get_compiler(self) -> Any:
+        # Built on the first compile, on a compile thread: reading a large vocabulary takes a
+        # while, and the engine serves free requests meanwhile.
+        with self._compiler_lock:
+            if self._compiler is None:
+                hf = self.tokenizer.for_this_thread()
+                info = xgr.TokenizerInfo.from_huggingface(
+                    hf, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
+                special = {*info.special_token_ids, *getattr(hf, "all_special_ids", ()),
+                           *getattr(hf, "added_tokens_decoder", {})}
+                self.utf8 = Utf8Filter(info.decoded_vocab, self.stop_token_ids,
+                                       sorted(special))
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            return self._compiler
+
+    def tokenize_forced(self, text: str) -> list[int] | None:
+        """String jump-forward: ``text`` as the tokenizer cuts it alone, or None when those
+        tokens do not spell exactly ``text`` (a tokenizer that adds a prefix space or
+        normalizes): the caller then jumps token by token."""
+        if self.utf8 is None or not text:
+            return None
+        ids = list(self.tokenizer.for_this_thread().encode(text, add_special_tokens=False))
+        vocab = self.utf8.token_bytes
+        if not ids or any(not 0 <= t < len(vocab) or t in self.utf8.special for t in ids):
+            return None
+        return ids if b"".join(vocab[t] for t in ids) == text.encode() else None
+
+    def bitmask(self, requests: Sequence[Request]
+                ) -> tuple[torch.Tensor | None, dict[int, str]]:
+        """The batch's ``[R, ceil(V / 32)]`` int32 bitmask (row ``i`` for ``requests[i]``; None
+        when no request is constrained), and the error of each row that allows no token: its
+        grammar can go no further, or filling its row failed. Such a row allows nothing, so
+        the sampler reports it failed and its request fails alone."""
+        grammars = [(i, r, r.grammar) for i, r in enumerate(requests) if r.grammar is not None]
+        if not grammars:
+            return None, {}
+        bitmask = xgr.allocate_token_bitmask(len(requests), self.vocab_size)  # all allowed
+        errors: dict[int, str] = {}
+        for i, req, grammar in grammars:
+            try:
+                grammar.fill(req, bitmask, i)
+            except Exception as exc:  # one request's matcher: that request fails, not the batch
+                logger.exception("request %s: filling its token mask failed", req.request_id)
+                bitmask[i] = 0
+                errors[i] = f"internal error in structured output: {exc}"
+                continue
+            if not bool(bitmask[i].any()):
+                errors[i] = no_token_error(grammar.spec)
+        return bitmask, errors
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def bounded_strings_as_patterns(schema: Any) -> Any:
+    """``schema`` with each length-bounded string (``minLength`` / ``maxLength``, no pattern or
+    format) turned into the same bounds on a pattern of unescaped JSON string characters.
+
+    xgrammar 0.2.8 compiles a length-bounded string to ``[^"\\\r\n]{0,n}``, which lets raw
+    control characters (invalid in JSON) through, and its negated classes admit UTF-8-encoded
+    surrogates (which decode to three U+FFFD, breaking the length); the pattern excludes both.
+    """
+    if isinstance(schema, list):
+        return [bounded_strings_as_patterns(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: bounded_strings_as_patterns(v) for k, v in schema.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    if (out.get("type") == "string" and bounded
+            and not {"pattern", "format", "enum", "const"} & out.keys()):
+        low, high = out.pop("minLength", 0), out.pop("maxLength", "")
+        out["pattern"] = rf'^[^"\\\x00-\x1f\ud800-\udfff]{{{low},{high}}}$'
+    return out
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """An EBNF grammar whose sentences are exactly ``choices``."""
+    # JSON string literals are EBNF string literals: quotes, backslashes and control
+    # characters escaped, everything else (non-ASCII included) as is.
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def no_token_error(spec: StructuredOutput) -> str:
+    """The error of a request whose grammar allows no token (it can never be satisfied)."""
+    return (f"structured.{spec.kind}: no token can continue the output (the constraint cannot "
+            "be satisfied with this model's vocabulary)")
+
+
+def _timeout_error(spec: StructuredOutput, elapsed: float, timeout: float) -> str:
+    return (f"structured.{spec.kind}: compiling took {elapsed:.3f} s, over the limit of "
+            f"{timeout:g} s (grammar_compile_timeout)")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    line = text[0] if text else type(exc).__name__
+    # xgrammar prefixes its messages with a time and a C++ source location.
+    return _XGR_PREFIX.sub("", line)[:300]
+
+
+def _log_unexpected(future: Future[None]) -> None:
+    exc = future.exception() if not future.cancelled() else None
+    if exc is not None:
+        logger.error("grammar compile thread failed", exc_info=exc)
