@@ -34,7 +34,7 @@ from loraplex.server.engine.request import (
     SamplingParams,
     TokenLogprob,
 )
-from loraplex.server.engine.sampler import SamplingMetadata, sample
+from loraplex.server.engine.sampler import SamplingMetadata, draw_uniform, sample
 from loraplex.server.engine.scheduler import Scheduler
 from loraplex.server.engine.step_cost import StepCostModel, StepTimer, StepTimeStats
 from loraplex.server.engine.structured import GrammarService
@@ -472,9 +472,7 @@ class Engine:
             if token is None:
                 return out
             if not req.params.greedy and req.generator is not None:
-                onehot = torch.zeros(vocab)
-                onehot[token] = 1.0
-                torch.multinomial(onehot, 1, generator=req.generator)
+                draw_uniform(req.generator)  # as sampling the forced token would have
             self.grammars.num_jumped_tokens += 1
             nxt = self._append_token(req, token, None)
             out = replace(nxt, new_token_ids=out.new_token_ids + nxt.new_token_ids,

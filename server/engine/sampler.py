@@ -172,8 +172,7 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         # Inverse-CDF draws: one uniform number per row from the row's own (CPU) generator,
         # so a seeded row draws the same alone or in any batch, on any device; the search
         # is one batched op (a zero-probability token is never found: its CDF step is empty).
-        uniform = torch.tensor([float(torch.rand(1, generator=metadata.generators[i],
-                                                 dtype=torch.float64)) for i in drawn],
+        uniform = torch.tensor([draw_uniform(metadata.generators[i]) for i in drawn],
                                dtype=torch.float64, device=probs.device)  # [N]
         cdf = probs.double().cumsum(-1)  # [N, V]
         found = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)
@@ -275,6 +274,13 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int
         values, top_ids = lp.topk(num_top, dim=-1)
         tops = [tuple(zip(i, v)) for i, v in zip(top_ids.tolist(), values.tolist())]
     return [TokenLogprob(t, c, top) for t, c, top in zip(token_ids, chosen, tops)]
+
+
+def draw_uniform(generator: torch.Generator | None) -> float:
+    """The one number a sampled row draws from its generator per token. A token appended
+    without sampling (jump-forward) draws it too, so the tokens after it are those of a run
+    that sampled it."""
+    return float(torch.rand(1, generator=generator, dtype=torch.float64))
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -250,6 +250,9 @@ def test_full_queues_are_resource_exhausted_at_once(model_dir: Path,
             running = client.generate_stream("one", max_tokens=1500, ignore_eos=True)
             next(running)
             wait_for(lambda: service.status().num_running == 1, what="one running")
+            # The gateway routes on its last Status poll: wait until it, too, sees no queue
+            # (a poll from before "one" started running would count it as queued).
+            wait_for(lambda: not small.gateway.pool.snapshots()[0].full, what="gateway view")
             waited: list = []
             waiter = threading.Thread(
                 target=lambda: waited.extend(client.generate_stream("two", max_tokens=4)))

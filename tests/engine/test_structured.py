@@ -353,7 +353,7 @@ def test_a_matcher_that_fails_fails_its_request_alone(setup):
     spec = StructuredOutput("regex", "[a-z]{3}")
     engine.add_request("bad", "x", SamplingParams(max_tokens=10, structured=spec))
     engine.add_request("good", "y", SamplingParams(max_tokens=10, structured=spec))
-    bad = engine._requests["bad"]
+    bad = engine.sequences("bad")[0]
 
     def broken(req, bitmask, row):  # fault injection: this request's matcher raises
         raise RuntimeError("matcher exploded")
