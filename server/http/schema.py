@@ -2,8 +2,10 @@
 
 A body is bounded before it is parsed (bytes, JSON nesting), then validated strictly against
 the models below: unknown fields, wrong types and parameters loraplex does not implement yet
-(``n > 1``, penalties, ``logit_bias``...) are 400 naming the parameter, never silently
-ignored. ``response_format`` and vLLM's ``guided_*`` fields map to a structured-output
+on this wire (``n > 1``, ``best_of``, ``echo``...) are 400 naming the parameter, never
+silently ignored. Penalties, ``logit_bias`` (token ids as strings, as OpenAI sends them) and
+vLLM's ``min_p``, ``min_tokens`` and ``repetition_penalty`` map onto the engine's sampling
+controls. ``response_format`` and vLLM's ``guided_*`` fields map to a structured-output
 constraint (``server/http/structured.py``), and so do ``tools`` with ``tool_choice``
 (``server/http/tools.py``). Defaults are OpenAI's (``temperature`` 1, completions
 ``max_tokens`` 16), not the gRPC API's.
@@ -91,6 +93,9 @@ class _Common(_Strict):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -175,15 +180,23 @@ def _format_loc(loc: tuple[Any, ...]) -> str:
 
 def _refuse_unsupported(body: _Common, extra: dict[str, Any]) -> None:
     """400 for parameters that would change the output and are not implemented yet."""
-    values: dict[str, Any] = {
-        "n": body.n not in (None, 1),
-        "presence_penalty": body.presence_penalty not in (None, 0.0),
-        "frequency_penalty": body.frequency_penalty not in (None, 0.0),
-        "logit_bias": bool(body.logit_bias),
-        **extra}
+    values: dict[str, Any] = {"n": body.n not in (None, 1), **extra}
     for name, used in values.items():
         if used:
-            raise BadRequest(f"{name}: not supported by this server yet", param=name)
+            hint = "; the gRPC GenerateStream serves it" if name == "n" else ""
+            raise BadRequest(f"{name}: not supported by this server's HTTP API yet{hint}",
+                             param=name)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    # OpenAI's JSON keys are token ids as strings.
+    pairs = []
+    for key, value in (bias or {}).items():
+        if not key.isdigit():
+            raise BadRequest(f"logit_bias: keys must be token ids, got {key[:32]!r}",
+                             param="logit_bias")
+        pairs.append((int(key), value))
+    return tuple(pairs)
 
 
 def _structured(body: _Common, response_format: dict[str, Any] | None
@@ -206,6 +219,12 @@ def _params(body: _Common, max_tokens: int, logprobs: int | None,
         "top_k": body.top_k or 0, "seed": body.seed, "stop": stop,
         "stop_token_ids": tuple(body.stop_token_ids or ()),
         "ignore_eos": bool(body.ignore_eos), "logprobs": logprobs,
+        "presence_penalty": body.presence_penalty or 0.0,
+        "frequency_penalty": body.frequency_penalty or 0.0,
+        "repetition_penalty": 1.0 if body.repetition_penalty is None
+        else body.repetition_penalty,
+        "logit_bias": _logit_bias(body.logit_bias), "min_p": body.min_p or 0.0,
+        "min_tokens": body.min_tokens or 0,
         "structured": _structured(body, response_format)}
     try:
         return SamplingParams(**fields)

@@ -228,8 +228,11 @@ def test_keys_and_unknown_models(cluster: Cluster) -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "param"), [
-    ({"n": 2}, "n"), ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"frequency_penalty": 1.0}, "frequency_penalty"), ({"logit_bias": {"5": 1}}, "logit_bias"),
+    ({"n": 2}, "n"), ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3.0}, "frequency_penalty"), ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"five": 1}}, "logit_bias"),
+    ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ({"extra_body": {"min_p": 2}}, "min_p"),
     ({"echo": True}, "echo"), ({"best_of": 2}, "best_of"), ({"suffix": "x"}, "suffix"),
     ({"max_tokens": 10**6}, "max_tokens"), ({"max_tokens": 0}, "max_tokens"),
     ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
@@ -248,6 +251,24 @@ def test_bad_parameters_are_400_naming_them(cluster: Cluster, kwargs: dict[str, 
     assert isinstance(exc.body, dict) and exc.body["param"] == param, exc.body
     assert exc.body["message"].startswith(param) or param in exc.body["message"]
     assert exc.type == "invalid_request_error"
+
+
+def test_sampling_controls_reach_the_engine(cluster: Cluster) -> None:
+    client = oai(cluster)
+    # The demo model's tokens 0..255 are bytes: a +100 bias on "A" makes every token "A".
+    forced = client.completions.create(model=BASE, prompt="hi", max_tokens=4, temperature=0,
+                                       logit_bias={str(ord("A")): 100})
+    assert forced.choices[0].text == "AAAA"
+    chat = client.chat.completions.create(
+        model=BASE, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=3,
+        temperature=0, logit_bias={str(ord("z")): 100})
+    assert chat.choices[0].message.content == "zzz"
+    # min_tokens holds off the end of the turn; penalties are accepted and bounded.
+    held = client.chat.completions.create(
+        model=BASE, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=6,
+        temperature=0, presence_penalty=1.0, frequency_penalty=0.5,
+        extra_body={"min_tokens": 6, "repetition_penalty": 1.2, "min_p": 0.05})
+    assert held.usage is not None and held.usage.completion_tokens == 6
 
 
 def post(cluster: Cluster, path: str, content: bytes, key: str = ACME) -> httpx.Response:
