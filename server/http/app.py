@@ -304,7 +304,10 @@ class OpenAIApp:
                     i, chunk = pending
                     if chunk.usage is not None:
                         usages.append(chunk.usage)
-                    if chunk.text or chunk.logprobs or chunk.finished:
+                    # One event per step that made tokens, text or not (as vLLM does): a
+                    # token whose bytes end mid-character has no text yet, but clients still
+                    # see progress at the pace of the engine (and time it per token).
+                    if chunk.token_ids or chunk.text or chunk.logprobs or chunk.finished:
                         yield event(shape.delta(i, chunk))
                     pending = await anext(chunks, None)
             except ServiceError as exc:
