@@ -49,6 +49,8 @@ from loraplex.server.startup import cannot_bind
 
 logger = logging.getLogger(__name__)
 
+MAX_IDLE_LABELS = 4096  # adapter labels kept for the idle list between scrapes
+
 
 def format_address(host: str, port: int) -> str:
     """``host:port``, with brackets around an IPv6 host."""
@@ -121,11 +123,13 @@ class WorkerService:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         rid = request.request_id
         self._active[rid] = req
-        if request.adapter_digest:
+        if request.adapter_digest and self.config.router_metrics:
             label = request.adapter_digest
             if self.config.metrics_adapter_names and request.adapter_name:
                 label = request.adapter_name
             self._adapter_labels[rid] = label
+            if len(self._idle_labels) > MAX_IDLE_LABELS:  # nobody scrapes (and prunes)
+                self._idle_labels = {}
             self._idle_labels[request.adapter_digest] = (label, time.monotonic())
         self._idle.clear()
         code, cause, finished = "CANCELLED", "cancelled", False
