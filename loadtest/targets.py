@@ -128,7 +128,11 @@ class OpenAITarget:
         self.uploader = uploader
 
     def run(self, trace: Trace, config: RunConfig) -> RunLog:
-        from loraplex.loadtest.openai_http import base_model_name, run_openai
+        try:
+            from loraplex.loadtest.openai_http import base_model_name, run_openai
+        except ImportError as exc:  # the openai client is a dev extra
+            raise ValueError(f"system {self.name}: needs the openai package ({exc}); "
+                             "pip install openai") from None
 
         if self.uploader is not None:
             self.uploader.upload_missing(trace, config)
