@@ -98,6 +98,22 @@ class WorkerService:
             resident_adapters=tuple(s.resident_adapters), host_adapters=tuple(s.host_adapters),
             max_model_len=self._engine.engine.max_model_len)
 
+    def router_snapshot(self, model_name: str, max_lora: int) -> RouterSnapshot:
+        """The router metrics' view (called on the metrics thread: it reads copies)."""
+        stats = self._engine.stats
+        active = list(self._active.items())
+        labels = dict(self._adapter_labels)
+        keep = set(stats.resident_adapters) | {r.adapter_digest for _, r in active}
+        # Forget the labels of evicted adapters, not of those the lagging stats have yet to
+        # show (a rebind: the loop's writes never race it).
+        recent = time.monotonic() - 5.0
+        self._idle_labels = {d: (n, t) for d, (n, t) in list(self._idle_labels.items())
+                             if d in keep or t > recent}
+        return router_snapshot(
+            model_name, stats,
+            ((req, labels.get(rid, req.adapter_digest or "")) for rid, req in active),
+            {d: n for d, (n, _) in self._idle_labels.items()}, max_lora)
+
     @property
     def serving(self) -> bool:
         return not self.draining and self._engine.error is None
@@ -163,22 +179,6 @@ class WorkerService:
             timer.finish(request.tenant, code, cause)
             if not self._active:
                 self._idle.set()
-
-    def router_snapshot(self, model_name: str, max_lora: int) -> RouterSnapshot:
-        """The router metrics' view (called on the metrics thread: it reads copies)."""
-        stats = self._engine.stats
-        active = list(self._active.items())
-        labels = dict(self._adapter_labels)
-        keep = set(stats.resident_adapters) | {r.adapter_digest for _, r in active}
-        # Forget the labels of evicted adapters, not of those the lagging stats have yet to
-        # show (a rebind: the loop's writes never race it).
-        recent = time.monotonic() - 5.0
-        self._idle_labels = {d: (n, t) for d, (n, t) in list(self._idle_labels.items())
-                             if d in keep or t > recent}
-        return router_snapshot(
-            model_name, stats,
-            ((req, labels.get(rid, req.adapter_digest or "")) for rid, req in active),
-            {d: n for d, (n, _) in self._idle_labels.items()}, max_lora)
 
     def _last_chunk(self, req: Request, out: RequestOutput, timer: StreamTimer
                     ) -> GenerateChunk:
