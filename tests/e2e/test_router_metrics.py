@@ -76,6 +76,9 @@ def test_running_waiting_and_idle_adapters_by_name(named: Cluster) -> None:
         thread.start()
         wait_for(lambda: lora_info(port)[0]["waiting_lora_adapters"] == "acme/beta@1",
                  timeout=10.0, what="beta waiting in vllm:lora_requests_info")
+        # Page counts come from the engine's stats snapshot, which lags by up to 50 ms.
+        wait_for(lambda: scrape(port)["vllm:kv_cache_usage_perc"][0][1] > 0, timeout=10.0,
+                 what="alpha's KV pages in vllm:kv_cache_usage_perc")
         samples = scrape(port)
         (labels, stamp), = samples["vllm:lora_requests_info"]
         assert labels == {"max_lora": "1", "running_lora_adapters": "acme/alpha@1",
@@ -100,7 +103,8 @@ def test_running_waiting_and_idle_adapters_by_name(named: Cluster) -> None:
     assert lora_info(port)[0]["waiting_lora_adapters"] == ""
     assert only_value(samples, "vllm:num_requests_waiting") == 0
     # Idle adapter pages can be evicted for KV at once: they count as free, as in vLLM.
-    assert only_value(samples, "vllm:kv_cache_usage_perc") == 0
+    wait_for(lambda: only_value(scrape(port), "vllm:kv_cache_usage_perc") == 0, timeout=10.0,
+             what="no pages held in vllm:kv_cache_usage_perc")
 
 
 @pytest.fixture(scope="module")
