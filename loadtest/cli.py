@@ -74,18 +74,19 @@ def _write_run(log: RunLog, out: Path, args: argparse.Namespace) -> dict:
 
 @contextlib.contextmanager
 def _maybe_serve(args: argparse.Namespace) -> Iterator[None]:
-    """With ``--serve`` and the ``loraplex`` system, a local server for the block."""
+    """With ``--serve`` and a ``loraplex`` or ``loraplex-http`` system, a local server for
+    the block (both wires of the same server)."""
     from loraplex.loadtest import cli_args
 
-    if not args.serve or "loraplex" not in cli_args.systems(args):
+    if not args.serve or not {"loraplex", "loraplex-http"} & set(cli_args.systems(args)):
         yield
         return
     from loraplex.loadtest.local_server import LocalServer
 
     with LocalServer(args.model, shlex.split(args.serve_args)) as server:
-        args.address = server.address
+        args.address, args.http_url = server.address, server.http_url
         print(f"started loraplex serve --model {args.model} {args.serve_args} on "
-              f"{server.address}", file=sys.stderr)
+              f"{server.address} (HTTP {server.http_url})", file=sys.stderr)
         yield
 
 

@@ -17,6 +17,7 @@ from loraplex.loadtest.targets import (
     BaselineTarget,
     EngineTarget,
     GrpcTarget,
+    OpenAITarget,
     Target,
 )
 from loraplex.loadtest.trace import Trace, TraceConfig, generate_trace
@@ -157,6 +158,14 @@ def add_system_args(p: argparse.ArgumentParser) -> None:
                         "transformers-* the peft baseline in this process (same trace)")
     g.add_argument("--address", default=env.get("SERVER", DEFAULT_ADDRESS),
                    help="the gateway's HOST:PORT (env LORAPLEX_SERVER)")
+    g.add_argument("--http-url", default=None,
+                   help="loraplex-http: the gateway's OpenAI API base URL (default "
+                        "http://HOST:8000/v1 with --address's host; --serve sets it)")
+    g.add_argument("--openai-url", default="http://127.0.0.1:8000/v1",
+                   help="openai: any OpenAI-compatible server's base URL (vllm serve, ...)")
+    g.add_argument("--openai-model", default=None,
+                   help="loraplex-http, openai: the base model's name in 'model' (default: "
+                        "the server's first listed model)")
     g.add_argument("--serve", action="store_true",
                    help="start 'loraplex serve --model MODEL' on a free loopback port for the "
                         "run (own temporary adapter store) instead of using --address")
@@ -196,6 +205,12 @@ def make_target(args: argparse.Namespace, system: str, adapters: AdapterSet) -> 
     """The system named ``system`` configured from the flags."""
     if system == "loraplex":
         return GrpcTarget(args.address, adapters, upload=not args.no_upload)
+    if system == "loraplex-http":
+        url = args.http_url or f"http://{args.address.rsplit(':', 1)[0]}:8000/v1"
+        uploader = GrpcTarget(args.address, adapters, upload=not args.no_upload)
+        return OpenAITarget(system, url, args.openai_model, uploader)
+    if system == "openai":
+        return OpenAITarget(system, args.openai_url, args.openai_model)
     if system == "loraplex-engine":
         from loraplex.server.config import EngineConfig, SchedulerConfig, parse_tenant_weights
 

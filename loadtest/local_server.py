@@ -53,6 +53,8 @@ class LocalServer:
         self.serve_args = list(serve_args)
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
+        self.http_port = free_port()
+        self.http_url = f"http://127.0.0.1:{self.http_port}/v1"  # the OpenAI API's base URL
         self.startup_timeout_s = startup_timeout_s
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if data_dir is None:
@@ -68,7 +70,7 @@ class LocalServer:
         log = open(self.log_path, "w")
         cmd = [sys.executable, "-m", "loraplex.server.cli", "serve", "--model", self.model,
                "--host", "127.0.0.1", "--port", str(self.port), "--metrics-port", "-1",
-               "--http-port", "-1", *self.serve_args]
+               "--http-port", str(self.http_port), *self.serve_args]
         self._proc = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         try:

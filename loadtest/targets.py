@@ -2,6 +2,8 @@
 
 * ``GrpcTarget``: a loraplex gateway (``loraplex serve`` or a cluster), through the asyncio
   runner; the trace's adapters are uploaded to each tenant's namespace first if missing;
+* ``OpenAITarget``: an OpenAI-compatible HTTP server (loraplex's HTTP API, ``vllm serve``,
+  ...) through the ``openai`` client (``openai_http``);
 * ``EngineTarget``: a loraplex ``Engine`` in this process (``engine_replay``);
 * ``BaselineTarget``: transformers + peft in this process with dynamic batching
   (``baseline.PeftBaseline.serve_trace``), mixed or grouped by adapter.
@@ -31,7 +33,8 @@ if TYPE_CHECKING:
     from loraplex.adapter_store.directory_source import DirectoryAdapterSource
     from loraplex.server.engine.engine import Engine
 
-SYSTEMS = ("loraplex", "loraplex-engine", "transformers-mixed", "transformers-grouped")
+SYSTEMS = ("loraplex", "loraplex-http", "openai", "loraplex-engine", "transformers-mixed",
+           "transformers-grouped")
 
 
 class Target(Protocol):
@@ -85,10 +88,14 @@ class GrpcTarget:
         self.upload = upload
 
     def run(self, trace: Trace, config: RunConfig) -> RunLog:
+        self.upload_missing(trace, config)
+        return asyncio.run(run_grpc(trace, self.address, config))
+
+    def upload_missing(self, trace: Trace, config: RunConfig) -> None:
+        """Upload the adapters ``trace`` names that its tenants do not have yet."""
         if self.adapters is not None and self.upload:
             dirs = self.adapters.ensure(trace, config.progress)
             asyncio.run(self._upload(trace, config, dirs))
-        return asyncio.run(run_grpc(trace, self.address, config))
 
     async def _upload(self, trace: Trace, config: RunConfig, dirs: dict[str, Path]) -> None:
         default = AsyncClient(self.address, api_key=config.default_api_key)
@@ -99,6 +106,40 @@ class GrpcTarget:
         finally:
             for client in [default, *clients.values()]:
                 await client.close()
+
+    def close(self) -> None:
+        pass
+
+
+class OpenAITarget:
+    """An OpenAI-compatible server at ``base_url`` (``http://host:port/v1``).
+
+    ``loraplex-http`` is loraplex's HTTP API: the trace's adapters are first uploaded through
+    the same gateway's gRPC API (``uploader``). ``openai`` is any other server (``vllm serve
+    --enable-lora --lora-modules NAME=PATH ...``): it must already serve the trace's adapter
+    names as models. ``base_model`` names the base model (None: the first model listed).
+    """
+
+    def __init__(self, name: str, base_url: str, base_model: str | None = None,
+                 uploader: GrpcTarget | None = None) -> None:
+        self.name = name
+        self.base_url = base_url
+        self.base_model = base_model
+        self.uploader = uploader
+
+    def run(self, trace: Trace, config: RunConfig) -> RunLog:
+        try:
+            from loraplex.loadtest.openai_http import base_model_name, run_openai
+        except ImportError as exc:  # the openai client is a dev extra
+            raise ValueError(f"system {self.name}: needs the openai package ({exc}); "
+                             "pip install openai") from None
+
+        if self.uploader is not None:
+            self.uploader.upload_missing(trace, config)
+        # Any of the run's keys may list the models (every tenant sees the base model).
+        key = config.default_api_key or next((k for _, k in config.api_keys), None)
+        model = self.base_model or asyncio.run(base_model_name(self.base_url, key))
+        return asyncio.run(run_openai(trace, self.base_url, config, model, self.name))
 
     def close(self) -> None:
         pass

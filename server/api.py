@@ -85,6 +85,7 @@ class WorkerRequest:
     prompt: Prompt
     params: SamplingParams
     adapter_digest: str | None = None
+    adapter_name: str = ""  # "tenant/name@version" of the digest, for router metrics only
 
 
 @dataclass(frozen=True)

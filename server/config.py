@@ -215,6 +215,12 @@ class WorkerConfig:
     drain_grace: float = setting(30.0, "how long running requests may finish after SIGTERM",
                                  unit="seconds")
     worker_id: str = setting("", "the name in Status and logs", default_text="hostname:port")
+    router_metrics: bool = setting(
+        True, "export vLLM's metric names on /metrics (vllm:num_requests_waiting, "
+        "vllm:lora_requests_info, ...) for inference-aware routers")
+    metrics_adapter_names: bool = setting(
+        False, "name adapters in the router metrics by tenant/name@version (off: by digest, "
+        "which tells nothing of tenants)")
 
     def __post_init__(self) -> None:
         _check_ports(self)

@@ -176,12 +176,14 @@ def generate_request_to_pb(r: GenerateRequest) -> generation_pb2.GenerateRequest
 def worker_request_from_pb(m: worker_pb2.WorkerGenerateRequest) -> WorkerRequest:
     return WorkerRequest(request_id=m.request_id, tenant=m.tenant, prompt=_prompt_from_pb(m),
                          params=sampling_params_from_pb(m.params),
-                         adapter_digest=m.adapter_digest or None)
+                         adapter_digest=m.adapter_digest or None,
+                         adapter_name=m.adapter_name)
 
 
 def worker_request_to_pb(r: WorkerRequest) -> worker_pb2.WorkerGenerateRequest:
     m = worker_pb2.WorkerGenerateRequest(request_id=r.request_id, tenant=r.tenant,
                                          adapter_digest=r.adapter_digest or "",
+                                         adapter_name=r.adapter_name,
                                          params=sampling_params_to_pb(r.params))
     _set_prompt(m, r.prompt)
     return m

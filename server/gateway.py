@@ -41,7 +41,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from loraplex.adapter_store.errors import AdapterNotFound, AdapterStoreError
-from loraplex.adapter_store.store import AdapterStore, parse_ref
+from loraplex.adapter_store.store import AdapterStore, AdapterVersion, parse_ref
 from loraplex.server import convert
 from loraplex.server.api import (
     ORIGIN_REQUEST,
@@ -208,11 +208,12 @@ class GenerationService:
                 raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                    "the gateway is shutting down; retry", cause="draining")
             check_bounds(request, self.config)
-            digest = await self.resolve(tenant, request.adapter)
+            record = await self.resolve(tenant, request.adapter)
             ticket = await self.quotas.admit(tenant, request)
             worker_request = WorkerRequest(
                 request_id=uuid.uuid4().hex, tenant=tenant, prompt=request.prompt,
-                params=request.params, adapter_digest=digest)
+                params=request.params, adapter_digest=record.digest if record else None,
+                adapter_name=f"{tenant}/{record.name}@{record.version}" if record else "")
             request_id = request.request_id or worker_request.request_id
             proxied = self._proxy(worker_request, request.adapter, context, timer)
             async with contextlib.aclosing(proxied) as chunks:
@@ -238,8 +239,8 @@ class GenerationService:
                 if self.num_active == 0:
                     self._idle.set()
 
-    async def resolve(self, tenant: str, ref: str) -> str | None:
-        """``name[@version]`` -> digest in ``tenant``'s namespace (None: the base model).
+    async def resolve(self, tenant: str, ref: str) -> AdapterVersion | None:
+        """``name[@version]`` -> its record in ``tenant``'s namespace (None: the base model).
 
         Raises:
             ServiceError: NOT_FOUND (the same for another tenant's adapter and a missing one),
@@ -259,7 +260,7 @@ class GenerationService:
         except AdapterStoreError as exc:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"adapter store: {exc}",
                                cause="store") from None
-        return record.digest
+        return record
 
     async def _proxy(self, request: WorkerRequest, ref: str, context: CallContext,
                      timer: StreamTimer) -> AsyncGenerator[GenerateChunk, None]:

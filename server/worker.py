@@ -44,10 +44,14 @@ from loraplex.server.config import EngineConfig, WorkerConfig
 from loraplex.server.engine.engine import Engine, EngineStats
 from loraplex.server.engine.request import Request, RequestOutput
 from loraplex.server.engine_loop import EngineLoop
+from loraplex.server.launch import served_model_name
 from loraplex.server.metrics import MetricsServer, StreamTimer, WorkerMetrics
+from loraplex.server.router_metrics import RouterSnapshot, register_router_metrics, router_snapshot
 from loraplex.server.startup import cannot_bind
 
 logger = logging.getLogger(__name__)
+
+MAX_IDLE_LABELS = 4096  # adapter labels kept for the idle list between scrapes
 
 
 def format_address(host: str, port: int) -> str:
@@ -72,6 +76,9 @@ class WorkerService:
         self.metrics = metrics
         self.draining = False
         self._active: dict[str, Request] = {}
+        self._adapter_labels: dict[str, str] = {}  # request id -> its adapter's metrics label
+        # digest -> (label, monotonic time) of its latest request
+        self._idle_labels: dict[str, tuple[str, float]] = {}
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -92,6 +99,22 @@ class WorkerService:
             num_kv_pages=s.pages.num_kv, num_adapter_pages=s.pages.num_adapter,
             resident_adapters=tuple(s.resident_adapters), host_adapters=tuple(s.host_adapters),
             max_model_len=self._engine.engine.max_model_len)
+
+    def router_snapshot(self, model_name: str, max_lora: int) -> RouterSnapshot:
+        """The router metrics' view (called on the metrics thread: it reads copies)."""
+        stats = self._engine.stats
+        active = list(self._active.items())
+        labels = dict(self._adapter_labels)
+        keep = set(stats.resident_adapters) | {r.adapter_digest for _, r in active}
+        # Forget the labels of evicted adapters, not of those the lagging stats have yet to
+        # show (a rebind: the loop's writes never race it).
+        recent = time.monotonic() - 5.0
+        self._idle_labels = {d: (n, t) for d, (n, t) in list(self._idle_labels.items())
+                             if d in keep or t > recent}
+        return router_snapshot(
+            model_name, stats,
+            ((req, labels.get(rid, req.adapter_digest or "")) for rid, req in active),
+            {d: n for d, (n, _) in self._idle_labels.items()}, max_lora)
 
     @property
     def serving(self) -> bool:
@@ -118,6 +141,14 @@ class WorkerService:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         rid = request.request_id
         self._active[rid] = req
+        if request.adapter_digest and self.config.router_metrics:
+            label = request.adapter_digest
+            if self.config.metrics_adapter_names and request.adapter_name:
+                label = request.adapter_name
+            self._adapter_labels[rid] = label
+            if len(self._idle_labels) > MAX_IDLE_LABELS:  # nobody scrapes (and prunes)
+                self._idle_labels = {}
+            self._idle_labels[request.adapter_digest] = (label, time.monotonic())
         self._idle.clear()
         code, cause, finished = "CANCELLED", "cancelled", False
         num_left = request.params.n  # sequences still running: the stream ends after all
@@ -156,6 +187,7 @@ class WorkerService:
                 return
         finally:
             del self._active[rid]
+            self._adapter_labels.pop(rid, None)
             self._engine.release(rid)
             if not finished:
                 self._engine.abort(rid)
@@ -274,6 +306,8 @@ class WorkerServer:
         worker_id = self.config.worker_id or f"{socket.gethostname()}:{self.port}"
         metrics = WorkerMetrics(self.registry, self._snapshot)
         self.service = WorkerService(self._loop, self.config, worker_id, metrics)
+        if self.config.router_metrics:
+            register_router_metrics(self.registry, self._router_snapshot)
         name = convert.add_worker_service(server, self.service)
         self._health = convert.add_health_and_reflection(server, [name])
         await self._health.set_serving(True)  # the engine is loaded before the port opens
@@ -296,6 +330,14 @@ class WorkerServer:
                 self.on_fatal(error)
 
         self._fatal_task = asyncio.get_running_loop().create_task(fail())
+
+    def _router_snapshot(self) -> RouterSnapshot | None:
+        if self.service is None:
+            return None
+        sched = self.engine.config.scheduler
+        return self.service.router_snapshot(
+            served_model_name(self.engine.config.model),
+            sched.max_adapters_per_step or sched.max_num_seqs)
 
     def _snapshot(self) -> tuple[EngineStats, int] | None:
         if self._loop is None or self.service is None:

@@ -319,7 +319,10 @@ class OpenAIApp:
                         if chunk.finished:
                             for obj in shape.tool_call_deltas(shape.tools, calls_text, chunk):
                                 yield event(obj)
-                    elif chunk.text or chunk.logprobs or chunk.finished:
+                    # One event per step that made tokens, text or not (as vLLM does): a
+                    # token whose bytes end mid-character has no text yet, but clients still
+                    # see progress at the pace of the engine (and time it per token).
+                    elif chunk.token_ids or chunk.text or chunk.logprobs or chunk.finished:
                         yield event(shape.delta(i, chunk))
                     pending = await anext(chunks, None)
             except ServiceError as exc:

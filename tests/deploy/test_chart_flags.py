@@ -111,13 +111,16 @@ def test_worker_values_reach_the_engine_config(monkeypatch: pytest.MonkeyPatch) 
               "numPages": 50000, "maxModelLen": 8192, "longPrefillTokenThreshold": 512,
               "maxAdaptersPerStep": 32, "scheduling": "vtc", "vtcOutputWeight": 3.0,
               "tenantWeights": "acme=2,beta=0.5", "enablePrefixCaching": False, "seed": 7}
-    values = {"worker": {"engine": engine, "config": {"maxQueue": 99, "drainGrace": 100}},
+    worker = {"maxQueue": 99, "drainGrace": 100, "routerMetrics": False,
+              "metricsAdapterNames": True}
+    values = {"worker": {"engine": engine, "config": worker},
               "model": {"path": "llama-3.1-8b"}}
     argv, env = _resolved(values, "worker")
     args = _parse(monkeypatch, argv, env)
     assert (args.command, args.log_level, args.host, args.port) == ("worker", "INFO", "0.0.0.0",
                                                                      50061)
     assert args.metrics_port == 9400 and args.max_queue == 99 and args.drain_grace == 100
+    assert args.router_metrics is False and args.metrics_adapter_names is True
     assert args.store.startswith("redis://:") and args.model == "/models/llama-3.1-8b"
     config = engine_config_from_args(args)
     assert (config.dtype, config.device, config.max_rank, config.num_pages) == (

@@ -104,6 +104,17 @@ def test_completion_greedy_tokens_equal_grpc(cluster: Cluster) -> None:
         assert base.choices[0].text != lora.choices[0].text
 
 
+def test_every_token_streams_its_own_event_text_or_not(cluster: Cluster) -> None:
+    # Byte-level tokens that end mid-character decode to no text yet; the stream still
+    # sends their events (as vLLM does), so clients see progress and can time each token.
+    client = oai(cluster)
+    chunks = [c for c in client.completions.create(
+        model=BASE, prompt=[200, 201, 202], max_tokens=40, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}) if c.choices]
+    assert len(chunks) == 40
+    assert any(c.choices[0].text == "" for c in chunks)  # the case this is about
+
+
 def test_token_id_prompts_and_a_list_of_prompts(cluster: Cluster) -> None:
     client = oai(cluster)
     with cluster.client(ACME) as grpc_client:

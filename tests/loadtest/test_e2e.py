@@ -24,12 +24,12 @@ def server(tmp_path_factory):
     with LocalServer("demo", ["--api-key-hashes", hashes], data_dir=root / "data",
                      env={"LORAPLEX_CACHE_DIR": str(root / "cache"), "OMP_NUM_THREADS": "1",
                           "LORAPLEX_API_KEY": ""}) as srv:
-        yield srv.address, root
+        yield srv
         assert "Traceback" not in srv.output(), srv.output()
 
 
 def test_load_run_against_loraplex_serve(server, tmp_path):
-    address, _ = server
+    address = server.address
     out = tmp_path / "run"
     code = loadtest_main([
         "run", "--system", "loraplex", "--address", address, "--model", "demo",
@@ -60,6 +60,39 @@ def test_load_run_against_loraplex_serve(server, tmp_path):
         with Client(address, api_key=key) as client:
             assert used <= {v.name for v in client.list_adapters()}
     assert (out / "latency_cdf.png").stat().st_size > 0
+
+
+def test_the_same_trace_over_grpc_http_and_a_plain_openai_server(server, tmp_path, capsys):
+    out = tmp_path / "wires"
+    code = loadtest_main([
+        "run", "--systems", "loraplex,loraplex-http,openai", "--address", server.address,
+        "--http-url", server.http_url, "--openai-url", server.http_url, "--model", "demo",
+        "--adapters-dir", str(tmp_path / "adapters"), "--adapter-rank", "4",
+        "--num-requests", "24", "--rate", "6", "--num-adapters", "2", "--base-fraction", "0.25",
+        "--prompt-len", "uniform:8:32", "--output-len", "uniform:6:12",
+        "--tenants", "acme=1", "--tenant-keys", f"acme={KEYS['acme']}",
+        "--max-duration", "30", "--drain-timeout", "20", "--request-timeout", "30",
+        "--seed", "7", "--no-progress", "--out", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    logs = {name: RunLog.load(out / name / "log.jsonl")
+            for name in ("loraplex", "loraplex-http", "openai")}
+    want = {r["id"]: r["output_len"] for r in _trace_lines(logs["loraplex"])}
+    for name, log in logs.items():
+        assert len(log.records) == 24, name
+        assert log.meta["system"] == name
+        for r in log.records:
+            assert r.ok, (name, r.status, r.error)
+            assert r.num_output_tokens == want[r.request_id], name
+            assert r.num_prompt_tokens > 0
+            # stamped as the events came: one time per token, not one for the whole stream
+            assert r.token_times == sorted(r.token_times) and r.send_time < r.token_times[0]
+            assert len(set(r.token_times)) > 1, (name, r.token_times)
+    # "openai" was told nothing of loraplex: the base model's name came from /v1/models
+    assert logs["openai"].meta["base_model"] == "demo"
+    assert logs["loraplex-http"].meta["target"] == server.http_url
+    for name in logs:  # reported side by side
+        assert name in printed.split("wrote")[-2]
 
 
 def _trace_lines(log: RunLog) -> list[dict]:

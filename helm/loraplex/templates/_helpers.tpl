@@ -58,6 +58,9 @@ app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
 
 {{/* Object names. */}}
 {{- define "loraplex.gateway.fullname" -}}{{ include "loraplex.fullname" . }}-gateway{{- end -}}
+{{- /* The components deployed: no loraplex gateway behind an InferencePool. */ -}}
+{{- define "loraplex.components" -}}{{ if .Values.inferencePool.enabled }}worker{{ else }}gateway worker{{ end }}{{- end -}}
+{{- define "loraplex.pool.fullname" -}}{{ default (printf "%s-pool" (include "loraplex.fullname" .)) .Values.inferencePool.name }}{{- end -}}
 {{- define "loraplex.worker.fullname" -}}{{ include "loraplex.fullname" . }}-worker{{- end -}}
 {{- define "loraplex.redis.fullname" -}}{{ include "loraplex.fullname" . }}-redis{{- end -}}
 

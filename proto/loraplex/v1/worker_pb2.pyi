@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "tenant", "adapter_digest", "text", "token_ids", "messages", "params")
+    __slots__ = ("request_id", "tenant", "adapter_digest", "text", "token_ids", "messages", "params", "adapter_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class WorkerGenerateRequest(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant: str
     adapter_digest: str
@@ -23,7 +24,8 @@ class WorkerGenerateRequest(_message.Message):
     token_ids: _generation_pb2.TokenIds
     messages: _generation_pb2.ChatMessages
     params: _generation_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., adapter_digest: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[_generation_pb2.TokenIds, _Mapping]] = ..., messages: _Optional[_Union[_generation_pb2.ChatMessages, _Mapping]] = ..., params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    adapter_name: str
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., adapter_digest: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[_generation_pb2.TokenIds, _Mapping]] = ..., messages: _Optional[_Union[_generation_pb2.ChatMessages, _Mapping]] = ..., params: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., adapter_name: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
