@@ -274,10 +274,13 @@ class OpenAIApp:
         call = HttpCall(request.headers.raw, self.timeout_seconds)
         chunks = merge([self.service.generate_stream(g, call) for g in gens])
         created = int(time.time())
-        shape = _Shape(response_id, created, model, chat, tools)
+        # n choices per prompt (parallel sampling): choice i * n + index, as OpenAI numbers
+        # them; every prompt of one request has the same n.
+        shape = _Shape(response_id, created, model, chat, tools, n=gens[0].params.n)
         try:
             if not stream:  # _gather closes the chunks
-                results = await until_disconnect(request, _gather(chunks, len(gens)))
+                results = await until_disconnect(request, _gather(chunks, len(gens) * shape.n,
+                                                                  shape.n))
                 return JSONResponse(shape.whole(results))
             first = await until_disconnect(request, anext(chunks))
         except ServiceError as exc:
@@ -306,7 +309,9 @@ class OpenAIApp:
 
         async with contextlib.aclosing(chunks):
             if shape.chat:
-                yield event(shape.chunk(0, {"role": "assistant", "content": ""}, None, None))
+                for index in range(shape.n):
+                    yield event(shape.chunk(index, {"role": "assistant", "content": ""}, None,
+                                            None))
             try:
                 pending: tuple[int, GenerateChunk] | None = first
                 while pending is not None:
@@ -323,7 +328,7 @@ class OpenAIApp:
                     # token whose bytes end mid-character has no text yet, but clients still
                     # see progress at the pace of the engine (and time it per token).
                     elif chunk.token_ids or chunk.text or chunk.logprobs or chunk.finished:
-                        yield event(shape.delta(i, chunk))
+                        yield event(shape.delta(i * shape.n + chunk.index, chunk))
                     pending = await anext(chunks, None)
             except ServiceError as exc:
                 yield {"data": json.dumps(service_error_body(exc))}
@@ -333,12 +338,14 @@ class OpenAIApp:
         yield {"data": "[DONE]"}
 
 
-async def _gather(chunks: AsyncGenerator[tuple[int, GenerateChunk], None], num: int
-                  ) -> list[Completion]:
+async def _gather(chunks: AsyncGenerator[tuple[int, GenerateChunk], None], num: int,
+                  n: int = 1) -> list[Completion]:
+    """The ``num`` choices: stream ``i``'s sequence ``index`` is choice ``i * n + index`` (a
+    stream's usage, on its last chunk, lands on one of its choices: summed once)."""
     results = [Completion(request_id="") for _ in range(num)]
     async with contextlib.aclosing(chunks):
         async for i, chunk in chunks:
-            results[i].add(chunk)
+            results[i * n + chunk.index].add(chunk)
     return results
 
 
@@ -346,7 +353,8 @@ class _Shape:
     """Completions or chat objects of one response."""
 
     def __init__(self, response_id: str, created: int, model: str, chat: bool,
-                 tools: ToolCalls | None = None) -> None:
+                 tools: ToolCalls | None = None, n: int = 1) -> None:
+        self.n = n
         self.response_id = response_id
         self.created = created
         self.model = model
@@ -384,15 +392,17 @@ class _Shape:
     def whole(self, results: list[Completion]) -> dict[str, Any]:
         usage = out.total_usage([r.usage for r in results])
         if self.chat:
-            r = results[0]
-            message: dict[str, Any] = {"role": "assistant", "content": r.text, "refusal": None}
-            finish_reason = r.finish_reason
-            if self.tools is not None and finish_reason == "stop":
-                message.update(content=None, tool_calls=self.tools.parse(r.text))
-                finish_reason = "tool_calls"
-            choices = [{"index": 0, "message": message,
-                        "logprobs": out.chat_logprobs(r.logprobs),
-                        "finish_reason": finish_reason}]
+            choices = []
+            for index, r in enumerate(results):
+                message: dict[str, Any] = {"role": "assistant", "content": r.text,
+                                           "refusal": None}
+                finish_reason = r.finish_reason
+                if self.tools is not None and finish_reason == "stop":
+                    message.update(content=None, tool_calls=self.tools.parse(r.text))
+                    finish_reason = "tool_calls"
+                choices.append({"index": index, "message": message,
+                                "logprobs": out.chat_logprobs(r.logprobs),
+                                "finish_reason": finish_reason})
             return out.envelope("chat.completion", self.response_id, self.created,
                                 self.model, choices, usage)
         choices = [{"index": i, "text": r.text, "logprobs": out.completion_logprobs(r.logprobs),

@@ -2,11 +2,12 @@
 
 A body is bounded before it is parsed (bytes, JSON nesting), then validated strictly against
 the models below: unknown fields, wrong types and parameters loraplex does not implement yet
-on this wire (``n > 1``, ``best_of``, ``echo``...) are 400 naming the parameter, never
+on this wire (``best_of``, ``echo``, ``suffix``) are 400 naming the parameter, never
 silently ignored. Penalties, ``logit_bias`` (token ids as strings, as OpenAI sends them) and
 vLLM's ``min_p``, ``min_tokens`` and ``repetition_penalty`` map onto the engine's sampling
-controls. ``response_format`` and vLLM's ``guided_*`` fields map to a structured-output
-constraint (``server/http/structured.py``), and so do ``tools`` with ``tool_choice``
+controls; ``n`` onto its parallel sampling (the choices of a prompt share its KV pages).
+``response_format`` and vLLM's ``guided_*`` fields map to a structured-output constraint
+(``server/http/structured.py``), and so do ``tools`` with ``tool_choice``
 (``server/http/tools.py``). Defaults are OpenAI's (``temperature`` 1, completions
 ``max_tokens`` 16), not the gRPC API's.
 """
@@ -180,11 +181,10 @@ def _format_loc(loc: tuple[Any, ...]) -> str:
 
 def _refuse_unsupported(body: _Common, extra: dict[str, Any]) -> None:
     """400 for parameters that would change the output and are not implemented yet."""
-    values: dict[str, Any] = {"n": body.n not in (None, 1), **extra}
+    values: dict[str, Any] = dict(extra)
     for name, used in values.items():
         if used:
-            hint = "; the gRPC GenerateStream serves it" if name == "n" else ""
-            raise BadRequest(f"{name}: not supported by this server's HTTP API yet{hint}",
+            raise BadRequest(f"{name}: not supported by this server's HTTP API yet",
                              param=name)
 
 
@@ -224,7 +224,7 @@ def _params(body: _Common, max_tokens: int, logprobs: int | None,
         "repetition_penalty": 1.0 if body.repetition_penalty is None
         else body.repetition_penalty,
         "logit_bias": _logit_bias(body.logit_bias), "min_p": body.min_p or 0.0,
-        "min_tokens": body.min_tokens or 0,
+        "min_tokens": body.min_tokens or 0, "n": 1 if body.n is None else body.n,
         "structured": _structured(body, response_format)}
     try:
         return SamplingParams(**fields)

@@ -239,7 +239,7 @@ def test_keys_and_unknown_models(cluster: Cluster) -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "param"), [
-    ({"n": 2}, "n"), ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"n": 0}, "n"), ({"n": 65}, "n"), ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -3.0}, "frequency_penalty"), ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"five": 1}}, "logit_bias"),
     ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
@@ -262,6 +262,46 @@ def test_bad_parameters_are_400_naming_them(cluster: Cluster, kwargs: dict[str, 
     assert isinstance(exc.body, dict) and exc.body["param"] == param, exc.body
     assert exc.body["message"].startswith(param) or param in exc.body["message"]
     assert exc.type == "invalid_request_error"
+
+
+def test_n_choices_are_parallel_samples(cluster: Cluster) -> None:
+    client = oai(cluster)
+    # Greedy: n equal choices, each what one request gives.
+    one = client.completions.create(model=BASE, prompt="The fox", max_tokens=6, temperature=0)
+    many = client.completions.create(model=BASE, prompt="The fox", max_tokens=6, temperature=0,
+                                     n=3)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert {c.text for c in many.choices} == {one.choices[0].text}
+    assert many.usage is not None and many.usage.completion_tokens == 18
+    assert many.usage.prompt_tokens == one.usage.prompt_tokens  # type: ignore[union-attr]
+    # Seeded: choice i draws as a single request seeded seed + i; two prompts number their
+    # choices prompt * n + i.
+    drawn = client.completions.create(model=BASE, prompt=["ab", "cd"], max_tokens=5,
+                                      temperature=1.0, seed=40, n=2)
+    texts = {c.index: c.text for c in drawn.choices}
+    for p, prompt in enumerate(["ab", "cd"]):
+        for i in range(2):
+            alone = client.completions.create(model=BASE, prompt=prompt, max_tokens=5,
+                                              temperature=1.0, seed=40 + i)
+            assert texts[p * 2 + i] == alone.choices[0].text
+    # Streamed chat: each choice's deltas carry its index, each ends with its reason.
+    stream = client.chat.completions.create(
+        model=BASE, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=4,
+        temperature=1.0, seed=7, n=2, stream=True, stream_options={"include_usage": True})
+    text: dict[int, str] = {0: "", 1: ""}
+    reasons: dict[int, str] = {}
+    usage = None
+    for event in stream:
+        for c in event.choices:
+            text[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+        usage = event.usage or usage
+    assert set(reasons) == {0, 1} and usage is not None and usage.completion_tokens <= 8
+    whole = client.chat.completions.create(
+        model=BASE, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=4,
+        temperature=1.0, seed=7, n=2)
+    assert [c.message.content for c in whole.choices] == [text[0], text[1]]
 
 
 def test_sampling_controls_reach_the_engine(cluster: Cluster) -> None:
@@ -322,7 +362,7 @@ def test_chat_validation(cluster: Cluster) -> None:
 
     client = oai(cluster)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    for kwargs, param in (({"n": 3}, "n"), ({"tools": [{"type": "function", "function": {
+    for kwargs, param in (({"n": 0}, "n"), ({"tools": [{"type": "function", "function": {
             "name": "f", "parameters": {}}}]}, "tool_choice"),
             ({"response_format": {"type": "yaml"}}, "response_format.type"),
             ({"tool_choice": "required"}, "tool_choice"),

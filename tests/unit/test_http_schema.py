@@ -50,7 +50,7 @@ def test_completion_prompts() -> None:
 
 
 @pytest.mark.parametrize(("doc", "param"), [
-    ({"n": 2}, "n"), ({"presence_penalty": 3}, "presence_penalty"),
+    ({"n": 0}, "n"), ({"presence_penalty": 3}, "presence_penalty"),
     ({"logit_bias": {"-1": 2}}, "logit_bias"), ({"tools": [{}]}, "tools[0]"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
