@@ -12,17 +12,15 @@ adapters, the machine's load).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 
 import torch
 
-from loraplex.kernels.metadata import AttentionMetadata
 from loraplex.server.engine.model_runner import ModelRunner
-from loraplex.server.engine.models.llama import ForwardContext
 from loraplex.server.engine.pager import Pager
 from loraplex.server.engine.step_cost import StepCostModel, StepShapeBuilder
+from loraplex.server.engine.warmup import run_dummy_step
 
 logger = logging.getLogger(__name__)
 
@@ -92,16 +90,6 @@ def calibrate(runner: ModelRunner, pager: Pager, model: StepCostModel, max_token
 
 def _run(runner: ModelRunner, tables: list[list[int]], q_lens: list[int],
          seq_lens: list[int]) -> None:
-    device = runner.device
-    meta = AttentionMetadata.build(tables, q_lens, seq_lens, runner.page_size, device)
-    positions = [p for q, n in zip(q_lens, seq_lens) for p in range(n - q, n)]
-    vocab = runner.model.config.vocab_size
-    ids = torch.tensor([p % vocab for p in positions], dtype=torch.long, device=device)
-    pos = torch.tensor(positions, dtype=torch.long, device=device)
     with runner.device_context():
-        ctx = ForwardContext(meta, runner.pools, runner.page_size, runner.write_kv,
-                             runner.attention, None)
-        hidden = runner.model.forward(ids, pos, ctx)  # [T, hidden]
-        last = [end - 1 for end in itertools.accumulate(q_lens)]
-        logits = runner.model.compute_logits(hidden[torch.tensor(last, device=device)])
+        logits = run_dummy_step(runner, tables, q_lens, seq_lens, None, runner.attention)
         logits.argmax(dim=-1).tolist()  # as sampling does: waits for the device
