@@ -132,3 +132,30 @@ def test_demo_adapter_trains_a_pirate_style_the_engine_serves(smollm2, chat_ids,
         [chat_ids, chat_ids], SamplingParams(max_tokens=12), adapters=[None, adapter.digest])
     assert "Paris" in base.text and not base.text.startswith("Arr"), base.text
     assert styled.text.startswith("Arr, matey!"), styled.text
+
+
+def test_structured_output_on_the_real_model(smollm2):
+    """A JSON schema and a choice on SmolLM2's BPE vocabulary (the demo model's is bytes):
+    the outputs that stop are valid, through the chat messages path, beside a free request."""
+    import jsonschema
+
+    from loraplex.server.params import ChatMessage, ChatMessages, StructuredOutput
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
+              "properties": {"city": {"type": "string", "maxLength": 24},
+                             "country": {"type": "string", "maxLength": 24}}}
+    ask = ChatMessages((ChatMessage("user", "Name the capital of France and its country "
+                                             "as JSON."),))
+    choose = ChatMessages((ChatMessage("user", f"{QUESTION} Answer with one word."),))
+    llm = LLM(smollm2[1])
+    as_json, chosen, free = llm.generate([ask, choose, choose], [
+        SamplingParams(max_tokens=48,
+                       structured=StructuredOutput("json_schema", json.dumps(schema))),
+        SamplingParams(max_tokens=8,
+                       structured=StructuredOutput("choice", choices=("Paris", "Lyon"))),
+        SamplingParams(max_tokens=8)])
+    assert as_json.finish_reason == "stop", as_json
+    jsonschema.validate(json.loads(as_json.text), schema)
+    assert "Paris" in json.loads(as_json.text)["city"]
+    assert (chosen.finish_reason, chosen.text) == ("stop", "Paris")
+    assert free.error is None and free.text
