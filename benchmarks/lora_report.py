@@ -191,12 +191,14 @@ def build_report(args: argparse.Namespace, hf_config: dict, config: ModelConfig,
             row["same_tokens"] = {f"loraplex_vs_{s}": same_tokens(lora, tokens_of(rec[s][0].run))
                                   for s in ("loraplex-base", "peft-mixed", "vllm") if rec[s]}
             roof = decode_roofline(config, getattr(torch, args.dtype), args.num_requests,
-                                   mean_context,
-                                   bandwidth, gemm["best"])
+                                   mean_context, bandwidth, gemm["best"])
             row["loraplex"]["roofline"] = asdict(roof)
             row["loraplex"]["roofline_memory_with_adapters"] = (
                 args.num_requests * bandwidth
                 / (roof.weight_bytes + roof.kv_bytes + info.adapter_bytes))
+        if any(rec[s] for s in SYSTEMS):
+            row["roofline_e2e"] = e2e_roofline(args, config, mean_context, bandwidth,
+                                               gemm["best"], row)
         results[str(n)] = row
     return {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "decode_heavy": decode_heavy,
@@ -205,6 +207,25 @@ def build_report(args: argparse.Namespace, hf_config: dict, config: ModelConfig,
             "model": hf_config, "dtype": args.dtype, "copy_bandwidth": bandwidth,
             "gemm_flops": gemm, "results": results,
             "targets": targets(results, decode_heavy)}
+
+
+def e2e_roofline(args: argparse.Namespace, config: ModelConfig, mean_context: float,
+                 bandwidth: float, gemm_flops: float, row: Mapping[str, dict]) -> dict:
+    """The whole run's ceiling: every prompt and output token's FLOPs (weights and attention,
+    ``decode_roofline``'s per-token count; LoRA's rank-16 products are under 1%) at the
+    measured GEMM peak, and the weights read once per decode step (``max_tokens`` steps at
+    least) at the measured copy bandwidth; output tokens over the larger of the two times.
+    Each system's fraction: its median end-to-end rate over that bound."""
+    roof = decode_roofline(config, getattr(torch, args.dtype), args.num_requests, mean_context,
+                           bandwidth, gemm_flops)
+    mean_prompt = mean_context - args.max_tokens / 2
+    num_tokens = args.num_requests * (mean_prompt + args.max_tokens)
+    compute_s = num_tokens * roof.flops_per_token / gemm_flops
+    memory_s = args.max_tokens * roof.weight_bytes / bandwidth
+    bound = args.num_requests * args.max_tokens / max(compute_s, memory_s)
+    return {"compute_s": compute_s, "memory_s": memory_s, "bound_tok_s": bound,
+            "flops_per_token": roof.flops_per_token, "weight_bytes": roof.weight_bytes,
+            "fraction": {s: row[s]["e2e_median"] / bound for s in SYSTEMS if s in row}}
 
 
 def targets(results: Mapping[str, dict], decode_heavy: bool = False) -> list[dict]:
@@ -295,6 +316,12 @@ def print_table(args: argparse.Namespace, report: dict) -> None:
         if "same_tokens_base" in row:
             parts.append(f"base same tokens as vllm-base {row['same_tokens_base']:.0%}")
         print(f"{'':>5} {'':>8} {'ratios':14} " + "; ".join(parts))
+        if "roofline_e2e" in row:
+            rf = row["roofline_e2e"]
+            print(f"{'':>5} {'':>8} {'roofline':14} e2e bound {rf['bound_tok_s']:.0f} tok/s "
+                  f"(FLOPs at GEMM peak {rf['compute_s']:.1f} s, weights per decode step at "
+                  f"copy bandwidth {rf['memory_s']:.1f} s); fraction: " + ", ".join(
+                      f"{k} {v:.0%}" for k, v in rf["fraction"].items()))
     print("(output tokens/s, medians over the runs: per wall second, and per CPU second of the "
           "process (in parentheses for ratios); decode: loraplex's median decode-only step "
           "with every request running, peft mixed's full batches after their first token, "
