@@ -91,7 +91,7 @@ from lora_report import (  # noqa: E402
     print_table,
 )
 from step_profile import breakdowns_json, call_overhead_s, profile_engine, profile_table  # noqa: E402,E501
-from vllm_peer import PEER_VENV, VLLM_ENV, VllmPeer, peer_version  # noqa: E402
+from vllm_peer import PEER_VENV, VLLM_ENV, VllmPeer, peer_version, threads_bind  # noqa: E402
 
 from loraplex.adapter_store.format import CanonicalAdapter, build_adapter  # noqa: E402,I001
 from loraplex.kernels.layout import adapter_layout, kv_page_elems  # noqa: E402
@@ -406,10 +406,11 @@ def main(argv: list[str] | None = None) -> None:
                     + args.max_tokens / 2)
     for peer in peers.values():
         peer.close()
+    vllm_env = {**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": threads_bind(args.threads)}
     report = build_report(args, hf_config, config, mean_context, infos, records,
                           copy_bandwidth(), gemm_throughput(dtype))
     if peers:
-        report["vllm"] = {"version": peer_version(), "env": VLLM_ENV,
+        report["vllm"] = {"version": peer_version(), "env": vllm_env,
                           "max_loras": next(iter(peers.values())).max_loras}
     report.update(skipped=skipped, adapter_build_s=build_s, peft_load_s=peft_load_s,
                   peft_adapters_loaded=len(peft_used), total_s=time.perf_counter() - t_start)
@@ -436,7 +437,8 @@ def start_peers(args: argparse.Namespace, model_path: Path, requests: Sequence[B
     """vLLM's LoRA and base engines, each in its own driver process, where asked for. Its LoRA
     slots hold every distinct adapter of the largest trace (no swapping during a run)."""
     kwargs = dict(max_num_seqs=len(requests), max_num_batched_tokens=args.max_num_batched_tokens,
-                  max_model_len=-(-(args.prompt_len[1] + args.max_tokens) // 32) * 32)
+                  max_model_len=-(-(args.prompt_len[1] + args.max_tokens) // 32) * 32,
+                  threads=args.threads)
     peers = {}
     if "vllm" in args.systems:
         distinct = max(len(set(t)) for t in traces.values())

@@ -25,11 +25,17 @@ DRIVER = Path(__file__).resolve().parent / "vllm_driver.py"
 PEER_VENV = Path(os.environ.get("PEER_VENV", ROOT / ".venv-vllm"))
 
 # vLLM's CPU settings for this machine (docs/benchmarks.md, "against vLLM"): its OpenMP threads
-# on cores 0-1, no core reserved for the scheduler (its default takes one of the two), and a KV
-# cache space in GiB that holds every request of the benchmark.
-VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+# on cores 0-(threads-1) (``threads_bind``: 0-1 for two, as loraplex's two torch threads), no
+# core reserved for the scheduler (its default takes one of the two), and a KV cache space in
+# GiB that holds every request of the benchmark.
+VLLM_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
             "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING",
             "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def threads_bind(threads: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``threads`` OpenMP threads: cores 0 to threads-1."""
+    return "0" if threads == 1 else f"0-{threads - 1}"
 
 
 def peer_python() -> Path:
@@ -49,18 +55,19 @@ class VllmPeer:
 
     def __init__(self, model: Path, dtype: str, max_lora_rank: int = 0, max_loras: int = 1,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 max_model_len: int = 512) -> None:
+                 max_model_len: int = 512, threads: int = 2) -> None:
         cmd = [str(peer_python()), str(DRIVER), "--model", str(model), "--dtype", dtype,
                "--max-lora-rank", str(max_lora_rank), "--max-loras", str(max_loras),
                "--max-num-seqs", str(max_num_seqs),
                "--max-num-batched-tokens", str(max_num_batched_tokens),
                "--max-model-len", str(max_model_len)]
-        env = {**os.environ, **VLLM_ENV}
+        env = {**os.environ, **VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": threads_bind(threads)}
         env.pop("PYTHONPATH", None)
         self.lora = max_lora_rank > 0
         self.max_loras = max_loras
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=sys.stderr, text=True, env=env, cwd=ROOT)
+                                     stderr=sys.stderr, text=True, env=env, cwd=ROOT,
+                                     start_new_session=True)
         self.ready: dict = {}
 
     def wait_ready(self) -> VllmPeer:
@@ -103,4 +110,5 @@ class VllmPeer:
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            # its own session: the engine core and workers go with it
+            os.killpg(self.proc.pid, 9)
