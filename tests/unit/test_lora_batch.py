@@ -110,3 +110,46 @@ def test_new_residency_resolves_its_own_pages() -> None:
     LoraBatch(CONFIG, pools, lora_ops("torch"), [new], [2])(0, "qkv", x, y)
     torch.testing.assert_close(y, dense(x, torch.zeros(2, 48), 0, "qkv",
                                         [((0, 2), new, weights)]), rtol=1e-4, atol=1e-4)
+
+
+def test_bf16_pool_runs_lora_in_float32_within_bf16_rounding() -> None:
+    # A bf16 pool (the engine in bfloat16 on CPU): the CPU path resolves float32 copies of the
+    # blocks once (oneDNN's bf16 GEMM is slow at rank 8-16) and rounds each output element
+    # once; against the op-signature path in bf16 (which also rounds h to bf16) and dense
+    # float32 math on the same bf16-rounded weights, within bf16's last bits (2**-8 relative on
+    # outputs of size ~10: atol 0.1 covers a flip in y's rounding plus h's).
+    rng = random.Random(7)
+    pools = torch.randn(CONFIG.num_layers, 40, PAGE_ELEMS)
+    free = list(range(40))
+    rng.shuffle(free)
+    specs = [(8, ("q_proj", "v_proj", "o_proj", "down_proj")), (3, ("q_proj", "k_proj"))]
+    adapters = []
+    for i, (rank, modules) in enumerate(specs):
+        layout = adapter_layout(rank, modules, CONFIG.module_shapes())
+        pages = [free.pop() for _ in range(layout.num_pages(PAGE_ELEMS))]
+        adapters.append(write_adapter(pools, pages, rank, modules, seed=i + 1))
+    pools16 = pools.bfloat16()
+    weights16 = [{k: (a.bfloat16().float(), b.bfloat16().float()) for k, (a, b) in w.items()}
+                 for _, w in adapters]
+    order, seg_lens = [0, None, 1, 0], [3, 2, 4, 1]
+    bounds = [0, 3, 5, 9, 10]
+    resident = [adapters[i][0] if i is not None else None for i in order]
+    cpu = LoraBatch(CONFIG, pools16, lora_ops("torch"), resident, seg_lens)
+    kernel = LoraBatch(CONFIG, pools16, KERNEL_PATH, resident, seg_lens)
+    dense_segments = [((bounds[s], bounds[s + 1]), resident[s],
+                       weights16[i] if i is not None else {}) for s, i in enumerate(order)]
+    for layer in range(CONFIG.num_layers):
+        for group in ("qkv", "o", "down"):
+            x = torch.randn(10, GROUP_INPUT[group]).bfloat16()
+            y0 = torch.randn(10, GROUP_WIDTH[group]).bfloat16()
+            y_cpu, y_kernel = y0.clone(), y0.clone()
+            cpu(layer, group, x, y_cpu)
+            kernel(layer, group, x, y_kernel)
+            assert y_cpu.dtype == torch.bfloat16
+            oracle = dense(x.float(), y0.float(), layer, group, dense_segments)
+            torch.testing.assert_close(y_cpu.float(), oracle, rtol=2e-2, atol=1e-1)
+            torch.testing.assert_close(y_cpu, y_kernel, rtol=2e-2, atol=1e-1)
+            assert torch.equal(y_cpu[3:5], y0[3:5])  # the base-model segment is untouched
+            assert not torch.equal(y_cpu, y0)
+    blocks = [m for tup in adapters[0][0].blocks.values() for m in tup]
+    assert blocks and all(m.a_t.dtype == m.bt.dtype == torch.float32 for m in blocks)

@@ -1,0 +1,101 @@
+"""vLLM as a peer system: a driver the peer venv (``.venv-vllm``, ``make bench-peers``) runs as a
+subprocess of ``lora_bench.py``, so that vLLM's pins never touch the project's venv.
+
+It imports nothing of loraplex: it loads the model folder the benchmark wrote (the same
+safetensors loraplex reads) once, then answers one JSON request per stdin line with one JSON
+line on stdout, until stdin closes::
+
+    -> {"prompts": [[id, ...], ...], "max_tokens": 32, "adapters": [path | null, ...]}
+    <- {"token_ids": [[id, ...], ...], "wall_s": 1.9, "cpu_s": 3.7}
+
+Every request goes to one ``LLM.generate`` call (greedy, EOS ignored, token-id prompts, no
+tokenizer). ``cpu_s`` is the CPU time of the driver's whole process tree over the call (vLLM V1
+runs its engine core in a child process). Adapters are PEFT folders (``save_peft_dir``), one
+``LoRARequest`` id per distinct path.
+
+vLLM CPU bug worked around (0.32.0): a request *without* an adapter batched with LoRA requests
+gets the last LoRA slot's adapter (the "no LoRA" index -1 wraps). The benchmark therefore gives
+every request of a LoRA run an adapter, and runs base-model requests in a driver started
+without ``--max-lora-rank`` (vLLM's base engine); this driver refuses a mixed request.
+
+Environment (set by the caller, documented in docs/benchmarks.md): VLLM_CPU_OMP_THREADS_BIND,
+VLLM_CPU_NUM_OF_RESERVED_CPU=0 (the default reserves one of two cores), VLLM_CPU_KVCACHE_SPACE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def tree_cpu_s() -> float:
+    """User + system seconds of this process and all its live descendants."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-lora-rank", type=int, default=0, help="0: the base engine, no LoRA")
+    p.add_argument("--max-loras", type=int, default=1, help="adapters batched at once")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=32, help="CPU attention: a multiple of 32")
+    args = p.parse_args()
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    lora = args.max_lora_rank > 0
+    extra = dict(enable_lora=True, max_lora_rank=args.max_lora_rank, max_loras=args.max_loras,
+                 max_cpu_loras=max(args.max_loras, 1)) if lora else {}
+    t0 = time.perf_counter()
+    llm = LLM(model=args.model, dtype=args.dtype, skip_tokenizer_init=True, seed=0,
+              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+              max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+              enable_prefix_caching=False, **extra)
+    ids: dict[str, int] = {}
+    import vllm
+
+    print(json.dumps({"ready": True, "load_s": time.perf_counter() - t0,
+                      "vllm": vllm.__version__}), flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        req = json.loads(line)
+        prompts = [TokensPrompt(prompt_token_ids=ids_) for ids_ in req["prompts"]]
+        params = SamplingParams(temperature=0.0, max_tokens=req["max_tokens"], ignore_eos=True,
+                                detokenize=False)
+        paths = req.get("adapters") or [None] * len(prompts)
+        if lora and any(path is None for path in paths):
+            # the no-LoRA index wraps to the last slot's adapter (see the module docstring)
+            raise ValueError("adapters: a LoRA run needs an adapter for every request")
+        if not lora and any(path is not None for path in paths):
+            raise ValueError("adapters: this driver is vLLM's base engine (no --max-lora-rank)")
+        loras = None
+        if lora:
+            loras = [LoRARequest(path, ids.setdefault(path, len(ids) + 1), path) for path in paths]
+        cpu0, w0 = tree_cpu_s(), time.perf_counter()
+        outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+        wall, cpu = time.perf_counter() - w0, tree_cpu_s() - cpu0
+        print(json.dumps({"token_ids": [list(o.outputs[0].token_ids) for o in outs],
+                          "wall_s": wall, "cpu_s": cpu}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""vLLM as a peer system of the benchmarks: ``VllmPeer`` starts ``vllm_driver.py`` in the peer
+venv (``make bench-peers`` makes ``.venv-vllm``) and runs traces through it.
+
+The driver stays up between runs (loading vLLM costs tens of seconds), so its runs interleave
+with loraplex's in the benchmark's loop; each run is one ``LLM.generate`` with every request.
+Wall and CPU seconds come from the driver (CPU: its whole process tree), so the pipe's JSON
+is not timed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from common import EngineRun
+
+from loraplex.loadtest.baseline import BaselineRequest
+
+ROOT = Path(__file__).resolve().parent.parent
+DRIVER = Path(__file__).resolve().parent / "vllm_driver.py"
+PEER_VENV = Path(os.environ.get("PEER_VENV", ROOT / ".venv-vllm"))
+
+# vLLM's CPU settings for this machine (docs/benchmarks.md, "against vLLM"): its OpenMP threads
+# on cores 0-(threads-1) (``threads_bind``: 0-1 for two, as loraplex's two torch threads), no
+# core reserved for the scheduler (its default takes one of the two), and a KV cache space in
+# GiB that holds every request of the benchmark.
+VLLM_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING",
+            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def threads_bind(threads: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``threads`` OpenMP threads: cores 0 to threads-1."""
+    return "0" if threads == 1 else f"0-{threads - 1}"
+
+
+def peer_python() -> Path:
+    """The peer venv's python; a clear error where ``make bench-peers`` has not run."""
+    python = PEER_VENV / "bin" / "python"
+    if not (PEER_VENV / ".installed").exists():
+        raise FileNotFoundError(f"{PEER_VENV}: no vLLM peer venv; run `make bench-peers`")
+    return python
+
+
+def peer_version() -> str:
+    return (PEER_VENV / ".installed").read_text().strip()
+
+
+class VllmPeer:
+    """One vLLM engine in its own process: LoRA (``max_lora_rank > 0``) or base."""
+
+    def __init__(self, model: Path, dtype: str, max_lora_rank: int = 0, max_loras: int = 1,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 max_model_len: int = 512, threads: int = 2) -> None:
+        cmd = [str(peer_python()), str(DRIVER), "--model", str(model), "--dtype", dtype,
+               "--max-lora-rank", str(max_lora_rank), "--max-loras", str(max_loras),
+               "--max-num-seqs", str(max_num_seqs),
+               "--max-num-batched-tokens", str(max_num_batched_tokens),
+               "--max-model-len", str(max_model_len)]
+        env = {**os.environ, **VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": threads_bind(threads)}
+        env.pop("PYTHONPATH", None)
+        self.lora = max_lora_rank > 0
+        self.max_loras = max_loras
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=sys.stderr, text=True, env=env, cwd=ROOT,
+                                     start_new_session=True)
+        self.ready: dict = {}
+
+    def wait_ready(self) -> VllmPeer:
+        """Block until the driver has loaded the model (start every peer first: they load
+        side by side)."""
+        if not self.ready:
+            self.ready = self._read()
+            if not self.ready.get("ready"):
+                raise RuntimeError(f"vLLM driver did not start: {self.ready}")
+        return self
+
+    def _read(self) -> dict:
+        assert self.proc.stdout is not None
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"vLLM driver exited (rc {self.proc.wait()}); see stderr")
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def run(self, requests: Sequence[BaselineRequest],
+            adapters: Sequence[Path] | None = None) -> tuple[EngineRun, float]:
+        """Every request at once; (the run, CPU seconds of the driver's process tree)."""
+        self.wait_ready()
+        if self.lora and adapters is None:
+            raise ValueError("adapters: vLLM's LoRA engine needs an adapter per request")
+        msg = {"prompts": [r.prompt_token_ids for r in requests],
+               "max_tokens": max(r.max_tokens for r in requests),
+               "adapters": [str(p) for p in adapters] if adapters is not None else None}
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        out = self._read()
+        tokens = {r.request_id: t for r, t in zip(requests, out["token_ids"])}
+        return EngineRun(tokens, out["wall_s"]), out["cpu_s"]
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            # its own session: the engine core and workers go with it
+            os.killpg(self.proc.pid, 9)
