@@ -24,6 +24,8 @@ from loraplex.server.engine.models.config import ModelConfig, parse_dtype
 from loraplex.server.engine.models.llama import LlamaModel
 from loraplex.server.engine.models.loader import load_weights, model_revision
 from loraplex.server.engine.pager import Pager, PagerStats
+from loraplex.server.engine.parallel.driver import TensorParallel
+from loraplex.server.engine.parallel.group import RankFailure
 from loraplex.server.engine.prefix_cache import PrefixCache
 from loraplex.server.engine.profile import ProfileResult, pool_pages, profile_batch, profile_run
 from loraplex.server.engine.request import (
@@ -86,23 +88,44 @@ class Engine:
         self.device = torch.device(config.device)
         self.max_model_len = self._max_model_len()
         self.tokenizer = load_tokenizer(self.model_path)  # None: token-id prompts only
-        model = load_weights(self.model_path, self.model_config, self.dtype, self.device)
-        self.page_elems = kv_page_elems(config.page_size, self.model_config.num_kv_heads,
-                                        self.model_config.head_dim)
         kernels = config.kernels
         if kernels == "auto":
             kernels = "triton" if self.device.type == "cuda" else "torch"
         self.kernels = kernels
+        # Tensor parallelism (parallel/): ranks 1..N-1 start now; this process is rank 0 and
+        # holds its shard; the pool's pages are shard-sized on every rank.
+        self.parallel: TensorParallel | None = None
+        if config.tensor_parallel_size > 1:
+            self.parallel = TensorParallel(config, self.model_path, self.model_config, kernels)
+            model = self.parallel.model
+        else:
+            model = load_weights(self.model_path, self.model_config, self.dtype, self.device)
+        try:
+            self._build(config, model, adapter_source)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig, model: LlamaModel,
+               adapter_source: AdapterSource | None) -> None:
+        kernels = self.kernels
+        self.page_elems = kv_page_elems(config.page_size, model.config.num_kv_heads,
+                                        self.model_config.head_dim)
         self.profile: ProfileResult | None = None  # the profiling pass, where one sized the pool
         num_pages = self._num_pages(model, adapter_source is not None)
         pools = torch.zeros(self.model_config.num_layers, num_pages, self.page_elems,
                             dtype=self.dtype, device=self.device)
-        self.runner = ModelRunner(model, pools, config.page_size, kernels)
+        if self.parallel is not None:
+            self.runner: ModelRunner = self.parallel.runner(pools, kernels)
+        else:
+            self.runner = ModelRunner(model, pools, config.page_size, kernels)
         self.pager = Pager(num_pages)
         self.adapters: AdapterManager | None = None
         if adapter_source is not None:
-            self.adapters = AdapterManager(adapter_source, self.model_config, self.pager, pools,
-                                           config.max_rank, config.host_cache_bytes)
+            self.adapters = AdapterManager(
+                adapter_source, self.model_config, self.pager, pools, config.max_rank,
+                config.host_cache_bytes,
+                sharding=self.parallel.sharding if self.parallel is not None else None)
         self.base_revision = model_revision(self.model_path)
         self.prefix_cache: PrefixCache | None = None
         if config.enable_prefix_caching:
@@ -126,6 +149,14 @@ class Engine:
             self.warmup()
         logger.info("engine ready: %s, %s, %d pages of %d tokens, kernels=%s",
                     self.model_path, config.dtype, num_pages, config.page_size, kernels)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks and the adapter loaders (idempotent)."""
+        if self.parallel is not None:
+            self.parallel.close()
+        adapters = getattr(self, "adapters", None)
+        if adapters is not None:
+            adapters.close()
 
     # -- set-up ------------------------------------------------------------------------------
     def warmup(self) -> None:
@@ -245,7 +276,9 @@ class Engine:
         self._inbox.put(("abort", request_id))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or not self._inbox.empty()
+        # A failed rank counts as work: the next step() raises it, ending the engine thread.
+        return (self.scheduler.has_unfinished() or not self._inbox.empty()
+                or (self.parallel is not None and self.parallel.failed is not None))
 
     def _drain_inbox(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
@@ -266,6 +299,8 @@ class Engine:
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one iteration: schedule, run the model, sample, and report progress."""
+        if self.parallel is not None:
+            self.parallel.check()  # RankFailure: this engine cannot go on
         outputs = self._drain_inbox()
         if self.adapters is not None:
             outputs.extend(self._fail_unloadable())
@@ -277,6 +312,8 @@ class Engine:
         now = time.monotonic()
         try:
             run = self.runner.run(batch, self.adapters)
+        except RankFailure:
+            raise  # the ranks are out of step: no later step can run
         except Exception as exc:  # a bug or a device fault: fail this batch, keep serving
             logger.exception("model step failed")
             for req in batch.requests:

@@ -17,6 +17,17 @@ from loraplex.server.engine.request import Request
 from loraplex.server.engine.scheduler import ScheduledBatch
 
 
+class StepTokens(NamedTuple):
+    """One step's tokens in batch order (requests of one adapter adjacent): what every
+    tensor-parallel rank needs to run the same forward pass."""
+
+    input_ids: list[int]  # [T]
+    positions: list[int]  # [T]
+    page_tables: list[list[int]]  # per request, its KV pages
+    q_lens: list[int]  # per request, tokens in this step
+    seq_lens: list[int]  # per request, tokens computed once this step is done
+
+
 class RunOutput(NamedTuple):
     sampling_requests: list[Request]
     logits: torch.Tensor  # [len(sampling_requests), vocab] float32
@@ -45,6 +56,8 @@ class ModelRunner:
         self.kernels = kernels
         self.write_kv, self.attention = attention_kernels(kernels)
         self.lora_ops = lora_ops(kernels)
+        # Set on tensor-parallel ranks (parallel/): the row-parallel layers' all-reduce.
+        self.all_reduce: Callable[[torch.Tensor], None] | None = None
 
     def device_context(self) -> contextlib.AbstractContextManager[Any]:
         """Makes the model's GPU the current device. Triton launches on the current device,
@@ -83,18 +96,24 @@ class ModelRunner:
             if end == req.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(req)
-        meta = AttentionMetadata.build([r.page_ids for r in requests], counts, seq_lens,
-                                       self.page_size, self.device)
         lora = self._lora_batch(requests, counts, adapters)
-        ctx = ForwardContext(meta, self.pools, self.page_size, self.write_kv, self.attention,
-                             lora)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model.forward(ids, pos, ctx)
+        step = StepTokens(input_ids, positions, [list(r.page_ids) for r in requests], counts,
+                          seq_lens)
+        hidden = self.forward(step, lora)
         if not sampling:
             return RunOutput([], hidden.new_empty(0, 0, dtype=torch.float32))
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         return RunOutput(sampling, self.model.compute_logits(hidden[rows]))
+
+    def forward(self, step: StepTokens, lora: LoraBatch | None) -> torch.Tensor:
+        """The model over one step's tokens -> hidden states ``[T, hidden]``."""
+        meta = AttentionMetadata.build(step.page_tables, step.q_lens, step.seq_lens,
+                                       self.page_size, self.device)
+        ctx = ForwardContext(meta, self.pools, self.page_size, self.write_kv, self.attention,
+                             lora, self.all_reduce)
+        ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(step.positions, dtype=torch.long, device=self.device)
+        return self.model.forward(ids, pos, ctx)
 
     def _lora_batch(self, requests: list[Request], counts: list[int],
                     adapters: AdapterManager | None) -> LoraBatch | None:

@@ -36,6 +36,14 @@ def _weight_files(path: Path) -> list[Path]:
 def load_weights(path: str | Path, config: ModelConfig, dtype: torch.dtype,
                  device: torch.device | str = "cpu") -> LlamaModel:
     """Read every tensor the model needs, cast to ``dtype`` and fuse q/k/v and gate/up."""
+    return LlamaModel(config, *load_tensors(path, config, dtype, device))
+
+
+def load_tensors(path: str | Path, config: ModelConfig, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"
+                 ) -> tuple[torch.Tensor, list[LayerWeights], torch.Tensor, torch.Tensor]:
+    """``load_weights``'s dense tensors before the model packs them: ``(embed, layers, norm,
+    lm_head)`` (tensor-parallel ranks slice these into their shards)."""
     path = Path(path)
     tensors: dict[str, torch.Tensor] = {}
     for file in _weight_files(path):
@@ -84,7 +92,7 @@ def load_weights(path: str | Path, config: ModelConfig, dtype: torch.dtype,
         raise ValueError(f"{path}: checkpoint tensor {leftover[0]!r} is not used by this "
                          f"{config.architecture} model (unused: {', '.join(leftover[:3])}{more});"
                          " refusing to serve it wrong")
-    return LlamaModel(config, embed, layers, norm, lm_head)
+    return embed, layers, norm, lm_head
 
 
 def model_revision(path: str | Path) -> str:
