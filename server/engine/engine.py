@@ -96,7 +96,8 @@ class Engine:
         # holds its shard; the pool's pages are shard-sized on every rank.
         self.parallel: TensorParallel | None = None
         if config.tensor_parallel_size > 1:
-            self.parallel = TensorParallel(config, self.model_path, self.model_config, kernels)
+            self.parallel = TensorParallel(config, self.model_path, self.model_config, kernels,
+                                           self.max_model_len, adapter_source is not None)
             model = self.parallel.model
         else:
             model = load_weights(self.model_path, self.model_config, self.dtype, self.device)
@@ -147,6 +148,8 @@ class Engine:
         self._num_steps = 0
         if self.device.type == "cuda" and kernels == "triton":
             self.warmup()
+            if self.parallel is not None:
+                self.parallel.group.wait_ready()  # until every rank has warmed up too
         logger.info("engine ready: %s, %s, %d pages of %d tokens, kernels=%s",
                     self.model_path, config.dtype, num_pages, config.page_size, kernels)
 

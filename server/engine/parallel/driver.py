@@ -82,7 +82,7 @@ class TensorParallel:
     """
 
     def __init__(self, config: EngineConfig, model_path: str, model_config: ModelConfig,
-                 kernels: str) -> None:
+                 kernels: str, max_model_len: int, lora: bool) -> None:
         size = config.tensor_parallel_size
         check_tensor_parallel(model_config, size)
         if config.device.startswith("cuda"):
@@ -92,7 +92,9 @@ class TensorParallel:
                                  f"need {first + size} GPUs; {torch.cuda.device_count()} are "
                                  "visible")
         self.group = RankGroup(str(model_path), config.dtype, config.device, kernels,
-                               config.page_size, size, config.tensor_parallel_timeout)
+                               config.page_size, size, config.tensor_parallel_timeout,
+                               max_model_len, config.max_rank,
+                               min(16, config.max_rank) if lora else 0)
         atexit.register(self.close)
         try:
             self.model = load_shard(self.group.spec, model_config, 0)

@@ -64,6 +64,9 @@ class RankSpec:
     size: int
     timeout: float  # seconds
     init_method: str  # file:// rendezvous
+    max_model_len: int  # for the warm-up (Triton on CUDA), as the driver's
+    max_rank: int
+    warmup_lora_rank: int  # 0: no adapters served
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -74,6 +77,12 @@ class RankSpec:
         if not isinstance(data, dict) or set(data) != {f for f in cls.__dataclass_fields__}:
             raise ValueError("rank spec: unexpected fields")
         return cls(**data)
+
+    @property
+    def warms_up(self) -> bool:
+        """Whether every rank compiles its kernels before serving (Triton on CUDA), then
+        meets the others at a barrier (``RankGroup.wait_ready`` on the driver)."""
+        return self.device.startswith("cuda") and self.kernels == "triton"
 
     def device_of(self, rank: int) -> torch.device:
         if not self.device.startswith("cuda"):
@@ -130,10 +139,12 @@ class RankGroup:
     """The driver's side: starts ranks ``1..N-1``, joins them as rank 0, watches them."""
 
     def __init__(self, model_path: str, dtype: str, device: str, kernels: str, page_size: int,
-                 size: int, timeout: float) -> None:
+                 size: int, timeout: float, max_model_len: int, max_rank: int,
+                 warmup_lora_rank: int) -> None:
         self._dir = tempfile.mkdtemp(prefix="loraplex-tp-")
         self.spec = RankSpec(model_path, dtype, device, kernels, page_size, size, timeout,
-                             "file://" + str(Path(self._dir) / "rendezvous"))
+                             "file://" + str(Path(self._dir) / "rendezvous"), max_model_len,
+                             max_rank, warmup_lora_rank)
         self.failed: str | None = None
         self._closing = threading.Event()
         # stdin is a pipe the rank watches: when this process ends, however, the rank ends.
@@ -168,7 +179,7 @@ class RankGroup:
             raise RankFailure(self.failed)
 
     def wait_ready(self) -> None:
-        """Until every rank has loaded its shard (or one has died)."""
+        """Until every rank has loaded its shard (or warmed up; or one has died)."""
         self._guarded(dist.barrier, group=self.groups.idle)
 
     def send_pool(self, num_pages: int, page_elems: int) -> None:

@@ -21,6 +21,7 @@ from loraplex.server.engine.adapter_cache import ResidentAdapter
 from loraplex.server.engine.lora import LoraBatch
 from loraplex.server.engine.model_runner import ModelRunner
 from loraplex.server.engine.models.config import ModelConfig, parse_dtype
+from loraplex.server.engine.pager import Pager
 from loraplex.server.engine.parallel.group import (
     OP_STOP,
     Groups,
@@ -29,6 +30,7 @@ from loraplex.server.engine.parallel.group import (
     load_shard,
 )
 from loraplex.server.engine.parallel.protocol import SegmentSpec, decode
+from loraplex.server.engine.warmup import warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +69,12 @@ class RankLoop:
                             dtype=parse_dtype(spec.dtype), device=spec.device_of(rank))
         self.runner = ModelRunner(self.model, pools, spec.page_size, spec.kernels)
         self.runner.all_reduce = self._all_reduce
+        if spec.warms_up:
+            # The same variants as the driver's warm-up, on pages of a pager of its own (the
+            # warm-up runs the model without collectives), then the barrier the driver joins.
+            warm_up(self.runner, Pager(num_pages), spec.max_model_len,
+                    spec.warmup_lora_rank or None, spec.max_rank)
+            dist.barrier(group=groups.idle)
         # Resolved adapters by (pages, rank, modules, scale), forgotten when a fill overwrites
         # any of their pages: the CPU LoRA path caches views of the pages on them.
         self._adapters: dict[tuple[object, ...], ResidentAdapter] = {}
