@@ -55,6 +55,8 @@ def test_tp2_matches_peft_and_tp1_with_prefix_cache(setup):
         assert sum(stats.prefix_hit_tokens.values()) >= 12
         # Shard-sized pages on every rank: half the KV heads (or one replicated head).
         assert tp2.page_elems == 2 * 4 * 1 * 16
+        with pytest.raises(ValueError, match="already runs a tensor-parallel engine"):
+            engine(model, adapters, 2, 800, 64)
     finally:
         tp2.close()
     assert all(p.poll() is not None for p in tp2.parallel.group.procs)

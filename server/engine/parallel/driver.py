@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 
 import torch
+import torch.distributed as dist
 
 from loraplex.kernels.layout import AdapterLayout
 from loraplex.server.config import EngineConfig
@@ -85,6 +86,10 @@ class TensorParallel:
                  kernels: str, max_model_len: int, lora: bool) -> None:
         size = config.tensor_parallel_size
         check_tensor_parallel(model_config, size)
+        if dist.is_initialized():
+            raise ValueError("tensor_parallel_size: this process already runs a "
+                             "tensor-parallel engine (torch.distributed has one default group "
+                             "per process; close it first)")
         if config.device.startswith("cuda"):
             first = torch.device(config.device).index or 0
             if torch.cuda.device_count() < first + size:
