@@ -12,7 +12,8 @@ from loraplex.server.config import EngineConfig, SchedulerConfig
 from loraplex.server.engine.engine import Engine
 from loraplex.server.engine.models.config import ModelConfig
 from tests.engine.test_lora_parity import LoadedSource, digests_for, run
-from tests.helpers import make_model, make_peft_adapters, peft_greedy, random_prompts
+from tests.engine.test_parity import run_staggered
+from tests.helpers import hf_greedy, make_model, make_peft_adapters, peft_greedy, random_prompts
 
 
 @pytest.fixture(scope="module", params=[2, 1], ids=["kv-heads-divide", "kv-heads-replicated"])
@@ -85,3 +86,20 @@ def test_refuses_a_size_the_heads_do_not_divide(setup):
     with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide the model's "
                                          "4 attention heads"):
         Engine(EngineConfig(model=str(model), num_pages=64, tensor_parallel_size=3))
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("qwen2", {}),  # q/k/v biases: column-parallel, sliced with their rows
+    ("llama", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
+])
+def test_tp2_biases_and_tied_embeddings_match_transformers(tmp_path, arch, overrides):
+    # o and down biases live on rank 0 only: the all-reduce adds them once.
+    model = make_model(tmp_path / arch, arch, seed=5, **overrides)
+    prompts = random_prompts(3, seed=2, low=6, high=24)
+    expected = hf_greedy(model, prompts, 8)
+    tp2 = Engine(EngineConfig(model=str(model), num_pages=64, tensor_parallel_size=2,
+                              scheduler=SchedulerConfig(page_size=4)))
+    try:
+        assert run_staggered(tp2, prompts, [8, 8, 8], [0, 1, 2]) == expected
+    finally:
+        tp2.close()
