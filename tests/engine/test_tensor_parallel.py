@@ -1,7 +1,8 @@
 """Tensor parallelism on CPU (gloo, two rank processes): greedy float32 tokens equal to
 transformers + peft and to TP = 1, for a mixed batch of adapters (ranks 1..64, all seven
 modules and subsets, rslora) and base requests, with the KV heads divided (4 heads, 2 KV
-heads) and replicated (4 heads, 1 KV head), with the prefix cache on and with preemption."""
+heads) and replicated (4 heads, 1 KV head), with the prefix cache on and with preemption;
+and with biases (o and down on rank 0 only) and tied embeddings against transformers."""
 
 from __future__ import annotations
 
