@@ -7,6 +7,7 @@ and with biases (o and down on rank 0 only) and tied embeddings against transfor
 from __future__ import annotations
 
 import pytest
+import torch
 
 from loraplex.adapter_store.format import load_adapter
 from loraplex.server.config import EngineConfig, SchedulerConfig
@@ -102,5 +103,23 @@ def test_tp2_biases_and_tied_embeddings_match_transformers(tmp_path, arch, overr
                               scheduler=SchedulerConfig(page_size=4)))
     try:
         assert run_staggered(tp2, prompts, [8, 8, 8], [0, 1, 2]) == expected
+    finally:
+        tp2.close()
+
+
+@pytest.mark.timeout(900)
+def test_tp2_triton_kernels_match_peft(setup_small):
+    # The kernels' path (segment tables, the op signature) on every rank: the Triton
+    # interpreter on CPU, natively on GPUs.
+    model, adapters, names, prompts, max_tokens, expected = setup_small
+    device = "cuda" if torch.cuda.device_count() >= 2 else "cpu"
+    tp2 = Engine(EngineConfig(model=str(model), num_pages=400, kernels="triton", device=device,
+                              tensor_parallel_size=2, scheduler=SchedulerConfig(
+                                  page_size=4, max_num_batched_tokens=64)),
+                 adapter_source=LoadedSource(adapters.values()))
+    try:
+        assert tp2.kernels == "triton"
+        assert run(tp2, prompts, digests_for(adapters, names), max_tokens, [0, 0, 1, 2]) \
+            == expected
     finally:
         tp2.close()
