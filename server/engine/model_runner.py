@@ -97,7 +97,7 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(req)
         lora = self._lora_batch(requests, counts, adapters)
-        step = StepTokens(input_ids, positions, [list(r.page_ids) for r in requests], counts,
+        step = StepTokens(input_ids, positions, [r.page_ids for r in requests], counts,
                           seq_lens)
         hidden = self.forward(step, lora)
         if not sampling:

@@ -42,7 +42,9 @@ logger = logging.getLogger(__name__)
 
 OP_STEP, OP_STOP = 1, 2
 IDLE_TIMEOUT = timedelta(days=30)
-STARTUP_TIMEOUT = timedelta(minutes=30)  # every rank loads the checkpoint before the barrier
+# The rendezvous waits for every rank process to start (Python and torch imported); loading the
+# checkpoint comes after it, behind a barrier of the idle group.
+MIN_RENDEZVOUS_SECONDS = 60.0
 WATCH_INTERVAL_SECONDS = 0.2
 STOP_GRACE_SECONDS = 10.0
 
@@ -103,7 +105,8 @@ def init_groups(spec: RankSpec, rank: int) -> Groups:
     if cuda:
         torch.cuda.set_device(spec.device_of(rank))
     dist.init_process_group("nccl" if cuda else "gloo", init_method=spec.init_method,
-                            rank=rank, world_size=spec.size, timeout=STARTUP_TIMEOUT)
+                            rank=rank, world_size=spec.size,
+                            timeout=timedelta(seconds=max(spec.timeout, MIN_RENDEZVOUS_SECONDS)))
     timeout = timedelta(seconds=spec.timeout)
     idle = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     cpu = dist.new_group(backend="gloo", timeout=timeout)

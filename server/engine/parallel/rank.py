@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import threading
+from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,10 @@ from loraplex.server.engine.parallel.protocol import SegmentSpec, decode
 from loraplex.server.engine.warmup import warm_up
 
 logger = logging.getLogger(__name__)
+
+# Resolved adapters a rank keeps (an evicted adapter's entry lingers until its pages are
+# refilled or it ages out; a batch holds far fewer distinct adapters than this).
+MAX_ADAPTERS = 512
 
 
 def _exit_with_driver() -> None:
@@ -75,9 +80,10 @@ class RankLoop:
             warm_up(self.runner, Pager(num_pages), spec.max_model_len,
                     spec.warmup_lora_rank or None, spec.max_rank)
             dist.barrier(group=groups.idle)
-        # Resolved adapters by (pages, rank, modules, scale), forgotten when a fill overwrites
-        # any of their pages: the CPU LoRA path caches views of the pages on them.
-        self._adapters: dict[tuple[object, ...], ResidentAdapter] = {}
+        # Resolved adapters by (pages, rank, modules, scale), least recently used first,
+        # forgotten when a fill overwrites any of their pages (the CPU LoRA path caches views
+        # and copies of their blocks on them) or beyond MAX_ADAPTERS.
+        self._adapters: OrderedDict[tuple[object, ...], ResidentAdapter] = OrderedDict()
 
     def _all_reduce(self, t: torch.Tensor) -> None:
         dist.all_reduce(t, group=self.groups.device)
@@ -101,8 +107,8 @@ class RankLoop:
             region = torch.empty(pools.shape[0], fill.num_elems, dtype=pools.dtype)
             dist.scatter(region, None, src=0, group=self.groups.cpu)
             touched = set(fill.pages)
-            self._adapters = {k: a for k, a in self._adapters.items()
-                              if touched.isdisjoint(a.pages)}
+            self._adapters = OrderedDict((k, a) for k, a in self._adapters.items()
+                                         if touched.isdisjoint(a.pages))
             copy_region(pools, fill.pages, region)
         with self.runner.device_context():
             self.runner.forward(msg.tokens, self._lora(msg.segments, len(msg.tokens.input_ids)))
@@ -132,6 +138,9 @@ class RankLoop:
         if adapter is None:
             layout = adapter_layout(s.rank, s.modules, self.model.config.module_shapes())
             adapter = self._adapters[key] = ResidentAdapter("", layout, s.scale, s.pages)
+            while len(self._adapters) > MAX_ADAPTERS:
+                self._adapters.popitem(last=False)
+        self._adapters.move_to_end(key)
         return adapter
 
 
