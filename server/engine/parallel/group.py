@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from loraplex.server.engine.models.config import ModelConfig, parse_dtype
-from loraplex.server.engine.models.llama import LlamaModel
+from loraplex.server.engine.models.llama import LayerWeights, LlamaModel
 from loraplex.server.engine.models.loader import load_tensors
 from loraplex.server.engine.parallel.sharding import Shard
 
@@ -117,16 +117,17 @@ def init_groups(spec: RankSpec, rank: int) -> Groups:
 def load_shard(spec: RankSpec, config: ModelConfig, rank: int) -> LlamaModel:
     """Read the checkpoint and keep this rank's shard of it, on this rank's device."""
     shard = Shard(config, spec.size, rank)
-    dtype = parse_dtype(spec.dtype)
-    embed, layers, norm, lm_head = load_tensors(spec.model_path, config, dtype)
     device = spec.device_of(rank)
-    sharded = []
-    for w in layers:
+
+    def keep(w: LayerWeights) -> LayerWeights:
         s = shard.layer(w)
         for name, value in vars(s).items():
             if value is not None:
                 setattr(s, name, value.to(device))
-        sharded.append(s)
+        return s
+
+    embed, sharded, norm, lm_head = load_tensors(spec.model_path, config,
+                                                 parse_dtype(spec.dtype), layer_fn=keep)
     tied = lm_head is embed
     embed = embed.to(device)
     return LlamaModel(shard.local, embed, sharded, norm.to(device),
