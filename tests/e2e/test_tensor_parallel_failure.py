@@ -4,6 +4,7 @@ worker`` process exits non-zero, and no rank process is left behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -121,6 +122,11 @@ def test_ranks_exit_when_their_worker_is_killed(model_dir: Path, tmp_path: Path)
         worker.wait_ready(120)
         ranks = _children(worker.proc.pid)
         assert len(ranks) == 1 and _running(ranks[0])
+        argv = Path(f"/proc/{ranks[0]}/cmdline").read_bytes().split(b"\0")
+        spec = json.loads(argv[argv.index(b"loraplex.server.engine.parallel.rank") + 1])
+        rendezvous = Path(spec["init_method"].removeprefix("file://")).parent
+        assert rendezvous.is_dir()
     finally:
         worker.kill()  # SIGKILL: no clean stop, the rank only sees its stdin close
     wait_for(lambda: not _running(ranks[0]), timeout=20, what="the orphaned rank to exit")
+    assert not rendezvous.exists()  # removed by the rank, since its driver could not

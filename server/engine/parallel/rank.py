@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 import threading
 from collections import OrderedDict
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -40,9 +42,11 @@ logger = logging.getLogger(__name__)
 MAX_ADAPTERS = 512
 
 
-def _exit_with_driver() -> None:
+def _exit_with_driver(spec: RankSpec) -> None:
     # The driver holds the write end of our stdin: EOF means it is gone (or stopping us).
     sys.stdin.buffer.read()
+    # A killed driver cannot remove its rendezvous directory; its ranks outlive it briefly.
+    shutil.rmtree(Path(spec.init_method.removeprefix("file://")).parent, ignore_errors=True)
     os._exit(1)
 
 
@@ -148,7 +152,7 @@ def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s tp-rank %(message)s")
     spec = RankSpec.from_json(argv[0])
     rank = int(argv[1])
-    threading.Thread(target=_exit_with_driver, daemon=True).start()
+    threading.Thread(target=_exit_with_driver, args=(spec,), daemon=True).start()
     try:
         groups = init_groups(spec, rank)
         RankLoop(spec, rank, groups).serve()
