@@ -214,6 +214,9 @@ class RankGroup:
         if self._closing.is_set():
             return
         self._closing.set()
+        for rank, proc in enumerate(self.procs, start=1):
+            if proc.poll() is not None:  # not yet seen by the watcher: no stop message to it
+                self.fail(f"tensor-parallel rank {rank} exited with status {proc.returncode}")
         if self.failed is None and hasattr(self, "groups"):
             try:
                 dist.broadcast(torch.tensor([OP_STOP, 0]), 0, group=self.groups.idle)
