@@ -148,8 +148,12 @@ def mask_cost(engine: Engine, batch: int, repeats: int) -> dict:
         if time.monotonic() > deadline:
             raise RuntimeError("grammar did not compile")
         time.sleep(0.01)
-    for req in requests:  # mid-object: a few tokens accepted
-        for token in b'{"name": "ab':
+    # Mid-object: a few tokens accepted (compact JSON, as the grammar allows), in the model's
+    # own vocabulary (bytes on the demo model, BPE pieces on a real one).
+    tokenizer = engine.tokenizer.for_this_thread()
+    prefix = tokenizer('{"name":"ab', add_special_tokens=False)["input_ids"]
+    for req in requests:
+        for token in prefix:
             req.output_token_ids.append(token)
             if req.grammar is not None:
                 req.grammar.accept(req, token)

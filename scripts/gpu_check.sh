@@ -8,9 +8,12 @@
 #      and no new binary while serving; the pool sized after a profiling pass; bf16 and
 #      larger shapes)                                                        -> $OUT/tests.log
 #   3. kernels/bench.py: SGMV, paged attention, the engine (under 5 minutes) -> $OUT/bench/
+#   4. benchmarks/tp_bench.py: TP = 1 and TP = 2 side by side (NCCL), only with two GPUs
+#      (skipped with a line saying so on one GPU)                          -> $OUT/tp/
 #
 # Usage: OUT=DIR scripts/gpu_check.sh   (under 10 minutes; each step has its own time limit,
-# TESTS_TIMEOUT and BENCH_TIMEOUT seconds, 280 and 310 unless set).
+# TESTS_TIMEOUT and BENCH_TIMEOUT seconds, 280 and 310 unless set; with two GPUs step 4 adds up
+# to TP_TIMEOUT, 240).
 # The package is installed (editable) without its dependencies; a missing one shows up as an
 # import error in tests.log.
 set -uo pipefail
@@ -45,3 +48,15 @@ echo "tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/tests.log"
 timeout "${BENCH_TIMEOUT:-310}" "$PY" -m loraplex.kernels.bench --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" \
     | tail -60
 echo "bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/bench.log"
+
+# Tensor parallelism: TP = 1 and TP = 2 side by side (NCCL), on a machine with two GPUs.
+NUM_GPUS=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
+if [ "$NUM_GPUS" -ge 2 ]; then
+    timeout "${TP_TIMEOUT:-240}" "$PY" benchmarks/tp_bench.py --device cuda --dtype bfloat16 \
+        --sizes 1,2 --num-requests 64 --max-tokens 64 --out "$OUT/tp" 2>&1 \
+        | tee "$OUT/tp.log" | tail -8
+    echo "tp exit: ${PIPESTATUS[0]}" | tee -a "$OUT/tp.log"
+else
+    echo "tensor parallelism: skipped, TP = 2 needs two GPUs and $NUM_GPUS is present" \
+        | tee "$OUT/tp.log"
+fi

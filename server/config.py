@@ -137,6 +137,13 @@ class EngineConfig:
     share_prefix_across_tenants: bool = setting(
         False, "one prefix cache scope for every tenant (public system prompts); off, "
         "tenants never share pages")
+    tensor_parallel_size: int = setting(
+        1, "ranks the model is split over (tensor parallelism: one process per device, rank r "
+        "on cuda:K+r for --device cuda:K, NCCL; gloo on cpu); the attention heads must divide "
+        "by it", unit="ranks")
+    tensor_parallel_timeout: float = setting(
+        120.0, "a tensor-parallel collective waiting longer than this means a rank died or "
+        "hangs: the worker stops serving and exits", unit="seconds")
     seed: int | None = setting(
         None, "seeds the seeds of requests that bring none (reproducible runs); unset, they "
         "come from the OS, so replicas and restarts never repeat each other's draws",
@@ -177,6 +184,11 @@ class EngineConfig:
             raise ValueError(f"max_rank: must be in [1, 1024], got {self.max_rank}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed: must be in [0, 2^63) or unset, got {self.seed}")
+        if not 1 <= self.tensor_parallel_size <= 64:
+            raise ValueError(f"tensor_parallel_size: must be in [1, 64], got "
+                             f"{self.tensor_parallel_size}")
+        if not self.tensor_parallel_timeout > 0:
+            raise ValueError("tensor_parallel_timeout: must be positive")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device: {self.device!r} is not cpu or cuda[:N]")
 

@@ -361,6 +361,7 @@ class WorkerServer:
             self._server = None
         if self._loop is not None:
             self._loop.stop()
+            self.engine.close()  # the engine thread has ended: its ranks may stop
         if self._metrics_server is not None:
             self._metrics_server.close()
             self._metrics_server = None

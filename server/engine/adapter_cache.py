@@ -94,6 +94,20 @@ def flatten_adapter(adapter: Any, config: ModelConfig, dtype: torch.dtype, max_r
     return HostAdapter(adapter.digest, layout, float(adapter.scale), flat)
 
 
+class PoolSharding(Protocol):
+    """How a tensor-parallel engine lays adapters into its ranks' pools (parallel/driver.py):
+    the host cache keeps each adapter whole, and each rank's pages receive its shard."""
+
+    def pool_layout(self, layout: AdapterLayout) -> AdapterLayout:
+        """The layout of one rank's shard (the same size on every rank)."""
+        ...
+
+    def local_region(self, host: HostAdapter, pages: list[int]) -> torch.Tensor:
+        """This rank's region ``[num_layers, pool_layout(host.layout).num_elems]``; the other
+        ranks' shards go to their pages with the next step."""
+        ...
+
+
 @dataclass(frozen=True)
 class ResidentAdapter:
     """An adapter whose weights are in the pool: what the LoRA kernels need of it."""
@@ -114,8 +128,9 @@ class AdapterManager:
 
     def __init__(self, source: AdapterSource, config: ModelConfig, pager: Pager,
                  pools: torch.Tensor, max_rank: int, host_cache_bytes: int = 4 << 30,
-                 num_loader_threads: int = 2) -> None:
+                 num_loader_threads: int = 2, sharding: PoolSharding | None = None) -> None:
         self.source = source
+        self.sharding = sharding
         self.config = config
         self.pager = pager
         self.pools = pools  # [num_layers, num_pages, page_elems]
@@ -199,7 +214,7 @@ class AdapterManager:
         """Pages the adapter will take in the pool, once it is in the host cache."""
         with self._lock:
             host = self._host.get(digest)
-        return host.layout.num_pages(self.page_elems) if host is not None else None
+        return self._pool_layout(host).num_pages(self.page_elems) if host is not None else None
 
     def begin_step(self) -> None:
         """Forget last step's staged host adapters."""
@@ -215,7 +230,7 @@ class AdapterManager:
             resident = self._resident[digest]
             return 0 if self.pager.pins(digest) else len(resident.pages)
         host = self._staged.get(digest)
-        return host.layout.num_pages(self.page_elems) if host is not None else 0
+        return self._pool_layout(host).num_pages(self.page_elems) if host is not None else 0
 
     def pages_to_load(self, request: Request) -> int:
         """Pages admitting the request now would copy into the pool (0 when its adapter is
@@ -243,10 +258,13 @@ class AdapterManager:
             if digest in self._host:
                 self._host.move_to_end(digest)
         self.counters["host_hits"] += 1
-        pages = self.pager.add_entry(digest, PageKind.ADAPTER,
-                                     host.layout.num_pages(self.page_elems))
+        layout = self._pool_layout(host)
+        pages = self.pager.add_entry(digest, PageKind.ADAPTER, layout.num_pages(self.page_elems))
         self._copy_in(host, pages)
-        self._resident[digest] = ResidentAdapter(digest, host.layout, host.scale, tuple(pages))
+        self._resident[digest] = ResidentAdapter(digest, layout, host.scale, tuple(pages))
+
+    def _pool_layout(self, host: HostAdapter) -> AdapterLayout:
+        return self.sharding.pool_layout(host.layout) if self.sharding else host.layout
 
     def release(self, request: Request) -> None:
         if request.adapter_digest is not None and request.adapter_digest in self._resident:
@@ -262,10 +280,11 @@ class AdapterManager:
                       else _nullcontext())
         if self._copy_stream is not None:
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.pools.device))
+        region = host.flat if self.sharding is None else self.sharding.local_region(host, pages)
         with stream_ctx:
-            n, e = host.layout.num_elems, self.page_elems
+            n, e = region.shape[1], self.page_elems
             full = n // e  # pages the region fills; the last may be partly used
-            flat = host.flat.to(self.pools.device, non_blocking=self._pin)  # [num_layers, n]
+            flat = region.to(self.pools.device, non_blocking=self._pin)  # [num_layers, n]
             if full:
                 index = torch.tensor(pages[:full], device=self.pools.device)
                 self.pools.index_copy_(1, index, flat[:, :full * e].view(-1, full, e))

@@ -25,6 +25,8 @@ from loraplex.server.engine.models.config import ModelConfig, parse_dtype
 from loraplex.server.engine.models.llama import LlamaModel
 from loraplex.server.engine.models.loader import load_weights, model_revision
 from loraplex.server.engine.pager import Pager, PagerStats
+from loraplex.server.engine.parallel.driver import TensorParallel
+from loraplex.server.engine.parallel.group import RankFailure
 from loraplex.server.engine.prefix_cache import PrefixCache
 from loraplex.server.engine.profile import ProfileResult, pool_pages, profile_batch, profile_run
 from loraplex.server.engine.request import (
@@ -94,23 +96,45 @@ class Engine:
         self.device = torch.device(config.device)
         self.max_model_len = self._max_model_len()
         self.tokenizer = load_tokenizer(self.model_path)  # None: token-id prompts only
-        model = load_weights(self.model_path, self.model_config, self.dtype, self.device)
-        self.page_elems = kv_page_elems(config.page_size, self.model_config.num_kv_heads,
-                                        self.model_config.head_dim)
         kernels = config.kernels
         if kernels == "auto":
             kernels = "triton" if self.device.type == "cuda" else "torch"
         self.kernels = kernels
+        # Tensor parallelism (parallel/): ranks 1..N-1 start now; this process is rank 0 and
+        # holds its shard; the pool's pages are shard-sized on every rank.
+        self.parallel: TensorParallel | None = None
+        if config.tensor_parallel_size > 1:
+            self.parallel = TensorParallel(config, self.model_path, self.model_config, kernels,
+                                           self.max_model_len, adapter_source is not None)
+            model = self.parallel.model
+        else:
+            model = load_weights(self.model_path, self.model_config, self.dtype, self.device)
+        try:
+            self._build(config, model, adapter_source)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig, model: LlamaModel,
+               adapter_source: AdapterSource | None) -> None:
+        kernels = self.kernels
+        self.page_elems = kv_page_elems(config.page_size, model.config.num_kv_heads,
+                                        self.model_config.head_dim)
         self.profile: ProfileResult | None = None  # the profiling pass, where one sized the pool
         num_pages = self._num_pages(model, adapter_source is not None)
         pools = torch.zeros(self.model_config.num_layers, num_pages, self.page_elems,
                             dtype=self.dtype, device=self.device)
-        self.runner = ModelRunner(model, pools, config.page_size, kernels)
+        if self.parallel is not None:
+            self.runner: ModelRunner = self.parallel.runner(pools, kernels)
+        else:
+            self.runner = ModelRunner(model, pools, config.page_size, kernels)
         self.pager = Pager(num_pages)
         self.adapters: AdapterManager | None = None
         if adapter_source is not None:
-            self.adapters = AdapterManager(adapter_source, self.model_config, self.pager, pools,
-                                           config.max_rank, config.host_cache_bytes)
+            self.adapters = AdapterManager(
+                adapter_source, self.model_config, self.pager, pools, config.max_rank,
+                config.host_cache_bytes,
+                sharding=self.parallel.sharding if self.parallel is not None else None)
         self.base_revision = model_revision(self.model_path)
         self.prefix_cache: PrefixCache | None = None
         if config.enable_prefix_caching:
@@ -144,11 +168,23 @@ class Engine:
         self._num_steps = 0
         if self.device.type == "cuda" and kernels == "triton":
             self.warmup()
-        if target_s > 0:
+            if self.parallel is not None:
+                self.parallel.group.wait_ready()  # until every rank has warmed up too
+        if target_s > 0 and self.parallel is None:
+            # With tensor parallelism the cost model learns from live steps only: a
+            # calibration step would have to run on every rank.
             calibrate(self.runner, self.pager, self.step_timer.model,
                       config.scheduler.max_num_batched_tokens, self.max_model_len)
         logger.info("engine ready: %s, %s, %d pages of %d tokens, kernels=%s",
                     self.model_path, config.dtype, num_pages, config.page_size, kernels)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks and the adapter loaders (idempotent)."""
+        if self.parallel is not None:
+            self.parallel.close()
+        adapters = getattr(self, "adapters", None)
+        if adapters is not None:
+            adapters.close()
 
     # -- set-up ------------------------------------------------------------------------------
     def warmup(self) -> None:
@@ -221,6 +257,10 @@ class Engine:
             raise ValueError("adapter: this engine serves no adapters (no adapter source)")
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
+        if params.n > 1 and self.parallel is not None:
+            # The copy-on-write page copies run on the driver's pool only (not broadcast).
+            raise ValueError("n: n > 1 is not served with tensor parallelism yet; send n "
+                             "requests")
         token_ids, params = self._encode(prompt, params)
         if not token_ids or (isinstance(prompt, str) and not prompt):
             raise ValueError("prompt: must not be empty")
@@ -294,7 +334,9 @@ class Engine:
         self._inbox.put(("abort", request_id))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or not self._inbox.empty()
+        # A failed rank counts as work: the next step() raises it, ending the engine thread.
+        return (self.scheduler.has_unfinished() or not self._inbox.empty()
+                or (self.parallel is not None and self.parallel.failed is not None))
 
     def _drain_inbox(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
@@ -322,6 +364,8 @@ class Engine:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
+        if self.parallel is not None:
+            self.parallel.check()  # RankFailure: this engine cannot go on
         outputs = self._drain_inbox()
         if self.adapters is not None:
             outputs.extend(self._fail_unloadable())
@@ -335,6 +379,8 @@ class Engine:
         now = time.monotonic()
         try:
             run = self.runner.run(batch, self.adapters)
+        except RankFailure:
+            raise  # the ranks are out of step: no later step can run
         except Exception as exc:  # a bug or a device fault: fail this batch, keep serving
             logger.exception("model step failed")
             for req in batch.requests:

@@ -22,6 +22,17 @@ from loraplex.server.engine.scheduler import ScheduledBatch
 PROMPT_LOGITS_ROWS = 256
 
 
+class StepTokens(NamedTuple):
+    """One step's tokens in batch order (requests of one adapter adjacent): what every
+    tensor-parallel rank needs to run the same forward pass."""
+
+    input_ids: list[int]  # [T]
+    positions: list[int]  # [T]
+    page_tables: list[list[int]]  # per request, its KV pages
+    q_lens: list[int]  # per request, tokens in this step
+    seq_lens: list[int]  # per request, tokens computed once this step is done
+
+
 class RunOutput(NamedTuple):
     sampling_requests: list[Request]
     logits: torch.Tensor  # [len(sampling_requests), vocab] float32
@@ -52,6 +63,8 @@ class ModelRunner:
         self.kernels = kernels
         self.write_kv, self.attention = attention_kernels(kernels)
         self.lora_ops = lora_ops(kernels)
+        # Set on tensor-parallel ranks (parallel/): the row-parallel layers' all-reduce.
+        self.all_reduce: Callable[[torch.Tensor], None] | None = None
 
     def device_context(self) -> contextlib.AbstractContextManager[Any]:
         """Makes the model's GPU the current device. Triton launches on the current device,
@@ -99,20 +112,17 @@ class ModelRunner:
             if end == req.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(req)
-        meta = AttentionMetadata.build([r.page_ids for r in requests], counts, seq_lens,
-                                       self.page_size, self.device)
         lora = self._lora_batch(requests, counts, adapters)  # waits for the adapter copies
         if batch.page_copies:
             # Copy-on-write of shared pages, in every layer at once: all sources are read
-            # before any destination is written, and before this step writes any KV.
+            # before any destination is written, and before this step writes any KV. (Only
+            # here: the engine refuses n > 1 with tensor parallelism.)
             sources = torch.tensor([s for s, _ in batch.page_copies], device=self.pools.device)
             targets = torch.tensor([d for _, d in batch.page_copies], device=self.pools.device)
             self.pools[:, targets] = self.pools[:, sources]
-        ctx = ForwardContext(meta, self.pools, self.page_size, self.write_kv, self.attention,
-                             lora)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model.forward(ids, pos, ctx)
+        step = StepTokens(input_ids, positions, [r.page_ids for r in requests], counts,
+                          seq_lens)
+        hidden = self.forward(step, lora)
         prompt_logprobs = tuple((req, self._prompt_logprobs(hidden, req, row, position, count))
                                 for req, row, position, count in prompt_rows)
         if not sampling:
@@ -131,6 +141,16 @@ class ModelRunner:
             targets = req.prompt_token_ids[position + at + 1:position + at + 1 + rows]
             out.extend(token_logprobs(logits, targets, req.params.prompt_logprobs or 0))
         return out
+
+    def forward(self, step: StepTokens, lora: LoraBatch | None) -> torch.Tensor:
+        """The model over one step's tokens -> hidden states ``[T, hidden]``."""
+        meta = AttentionMetadata.build(step.page_tables, step.q_lens, step.seq_lens,
+                                       self.page_size, self.device)
+        ctx = ForwardContext(meta, self.pools, self.page_size, self.write_kv, self.attention,
+                             lora, self.all_reduce)
+        ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(step.positions, dtype=torch.long, device=self.device)
+        return self.model.forward(ids, pos, ctx)
 
     def _lora_batch(self, requests: list[Request], counts: list[int],
                     adapters: AdapterManager | None) -> LoraBatch | None:

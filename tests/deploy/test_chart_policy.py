@@ -72,6 +72,13 @@ def test_mig_profile_and_gpu_scheduling() -> None:
     assert worker["resources"]["limits"]["nvidia.com/mig-3g.71gb"] == 1
 
 
+def test_tensor_parallel_size_sets_the_gpu_limit() -> None:
+    manifests = render({"worker": {"engine": {"tensorParallelSize": 4}}})
+    worker = container(find(manifests, "StatefulSet", "-worker"), "worker")
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert _config(manifests, "worker")["LORAPLEX_TENSOR_PARALLEL_SIZE"] == "4"
+
+
 # -- probes ---------------------------------------------------------------------------------------
 def _port(c: dict[str, Any], name: str) -> int:
     return next(p["containerPort"] for p in c["ports"] if p["name"] == name)

@@ -135,6 +135,9 @@ REFUSED: dict[str, tuple[dict[str, Any], str]] = {
         {"model": {"source": "initContainer", "configMap": "cfg"}},
         "model.initContainer.image"),
     "pvc model without a claim": ({"model": {"pvc": {"claimName": ""}}}, "claimName"),
+    "tensor parallelism over MIG slices": (
+        {"worker": {"engine": {"tensorParallelSize": 2},
+                    "gpu": {"resourceName": "nvidia.com/mig-3g.71gb"}}}, "whole GPUs"),
 }
 
 

@@ -36,6 +36,9 @@ class ForwardContext:
     write_kv: Callable[..., None]
     attention: Callable[..., torch.Tensor]
     lora: LoraHook | None = None
+    # Tensor parallelism: sums a row-parallel layer's partial output over the ranks, in place
+    # (after its LoRA delta, which is partial too: parallel/sharding.py).
+    all_reduce: Callable[[torch.Tensor], None] | None = None
 
 
 @dataclass
@@ -148,6 +151,8 @@ class LlamaModel:
             o = linear(attn, w.o, w.o_bias)
             if ctx.lora is not None:
                 ctx.lora(i, "o", attn, o)
+            if ctx.all_reduce is not None:
+                ctx.all_reduce(o)
             hidden = hidden + o
             x = rms_norm(hidden, w.post_norm, cfg.rms_norm_eps)
             gate_up = linear(x, w.gate_up, w.gate_up_bias)  # [T, 2 * intermediate]
@@ -158,6 +163,8 @@ class LlamaModel:
             down = linear(act, w.down, w.down_bias)
             if ctx.lora is not None:
                 ctx.lora(i, "down", act, down)
+            if ctx.all_reduce is not None:
+                ctx.all_reduce(down)
             hidden = hidden + down
         return hidden
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -36,27 +39,44 @@ def _weight_files(path: Path) -> list[Path]:
 def load_weights(path: str | Path, config: ModelConfig, dtype: torch.dtype,
                  device: torch.device | str = "cpu") -> LlamaModel:
     """Read every tensor the model needs, cast to ``dtype`` and fuse q/k/v and gate/up."""
-    path = Path(path)
-    tensors: dict[str, torch.Tensor] = {}
-    for file in _weight_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
+    return LlamaModel(config, *load_tensors(path, config, dtype, device))
 
+
+def load_tensors(path: str | Path, config: ModelConfig, dtype: torch.dtype,
+                 device: torch.device | str = "cpu",
+                 layer_fn: Callable[[LayerWeights], LayerWeights] | None = None,
+                 ) -> tuple[torch.Tensor, list[LayerWeights], torch.Tensor, torch.Tensor]:
+    """``load_weights``'s dense tensors before the model packs them: ``(embed, layers, norm,
+    lm_head)``. Tensors are read as they are needed, and each layer goes through
+    ``layer_fn`` as soon as it is read (a tensor-parallel rank keeps only its shard: its peak
+    memory is its shard plus one whole layer, not the whole checkpoint)."""
+    path = Path(path)
+    with ExitStack() as files:
+        tensors: dict[str, Any] = {}  # name -> the open file holding it
+        for file in _weight_files(path):
+            f = files.enter_context(safe_open(str(file), framework="pt"))
+            for name in f.keys():
+                tensors[name] = f
+        return _load(path, config, tensors, dtype, device, layer_fn)
+
+
+def _load(path: Path, config: ModelConfig, tensors: dict[str, Any], dtype: torch.dtype,
+          device: torch.device | str, layer_fn: Callable[[LayerWeights], LayerWeights] | None
+          ) -> tuple[torch.Tensor, list[LayerWeights], torch.Tensor, torch.Tensor]:
     def take(name: str) -> torch.Tensor:
         if name not in tensors:
             raise ValueError(f"{path}: weight {name!r} is missing")
-        return tensors.pop(name).to(device=device, dtype=dtype)
+        return tensors.pop(name).get_tensor(name).to(device=device, dtype=dtype)
 
     def take_cat(names: list[str]) -> torch.Tensor:
         return torch.cat([take(n) for n in names])
 
-    layers = []
+    layers: list[LayerWeights] = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         attn = [p + f"self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj")]
         mlp = [p + f"mlp.{m}" for m in ("gate_proj", "up_proj")]
-        layers.append(LayerWeights(
+        layer = LayerWeights(
             input_norm=take(p + "input_layernorm.weight"),
             qkv=take_cat([n + ".weight" for n in attn]),
             qkv_bias=take_cat([n + ".bias" for n in attn]) if config.attention_bias else None,
@@ -67,7 +87,8 @@ def load_weights(path: str | Path, config: ModelConfig, dtype: torch.dtype,
             gate_up_bias=take_cat([n + ".bias" for n in mlp]) if config.mlp_bias else None,
             down=take(p + "mlp.down_proj.weight"),
             down_bias=take(p + "mlp.down_proj.bias") if config.mlp_bias else None,
-        ))
+        )
+        layers.append(layer_fn(layer) if layer_fn is not None else layer)
     embed = take("model.embed_tokens.weight")
     lm_head = embed if config.tie_word_embeddings else take("lm_head.weight")
     if config.tie_word_embeddings and "lm_head.weight" in tensors:
@@ -84,7 +105,7 @@ def load_weights(path: str | Path, config: ModelConfig, dtype: torch.dtype,
         raise ValueError(f"{path}: checkpoint tensor {leftover[0]!r} is not used by this "
                          f"{config.architecture} model (unused: {', '.join(leftover[:3])}{more});"
                          " refusing to serve it wrong")
-    return LlamaModel(config, embed, layers, norm, lm_head)
+    return embed, layers, norm, lm_head
 
 
 def model_revision(path: str | Path) -> str:

@@ -1,0 +1,1 @@
+"""Tensor parallelism on torch.distributed: sharding, the step broadcast, the rank processes."""
