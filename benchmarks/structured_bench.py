@@ -148,10 +148,10 @@ def mask_cost(engine: Engine, batch: int, repeats: int) -> dict:
         if time.monotonic() > deadline:
             raise RuntimeError("grammar did not compile")
         time.sleep(0.01)
-    # Mid-object: a few tokens accepted (compact JSON, as the grammar allows), in the model's
-    # own vocabulary (bytes on the demo model, BPE pieces on a real one).
+    # Mid-object: a few tokens accepted (the grammar's separators), in the model's own
+    # vocabulary (bytes on the demo model, BPE pieces on a real one).
     tokenizer = engine.tokenizer.for_this_thread()
-    prefix = tokenizer('{"name":"ab', add_special_tokens=False)["input_ids"]
+    prefix = tokenizer('{"name": "ab', add_special_tokens=False)["input_ids"]
     for req in requests:
         for token in prefix:
             req.output_token_ids.append(token)
