@@ -77,8 +77,10 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int | l
     with torch.no_grad():
         for prompt, n in zip(prompts, lengths):
             ids = torch.tensor([prompt])
+            # eos_token_id=-1, not min_new_tokens: the engine's ignore_eos may pick EOS like
+            # any token, while min_new_tokens would mask it out of the reference.
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                 min_new_tokens=n, do_sample=False, output_scores=True,
+                                 eos_token_id=-1, do_sample=False, output_scores=True,
                                  return_dict_in_generate=True, pad_token_id=258)
             for score in out.scores:
                 top2 = score[0].float().topk(2).values
@@ -147,7 +149,7 @@ def peft_greedy(model_dir: Path, adapter_paths: dict[str, Path], prompts: list[l
         for prompt, adapter, n in zip(prompts, adapter_names, max_new_tokens):
             ids = torch.tensor([prompt])
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                 max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                 max_new_tokens=n, eos_token_id=-1, do_sample=False,
                                  output_scores=True, return_dict_in_generate=True,
                                  pad_token_id=258, adapter_names=[adapter or "__base__"])
             for score in out.scores:
