@@ -39,8 +39,6 @@ from loraplex.kernels.launch import (
     check_dtype,
     check_kernel_device,
     check_same_device,
-    dot_precision,
-    floor_pow2,
     num_sms,
 )
 from loraplex.kernels.sgmv_plan import (
@@ -53,12 +51,6 @@ from loraplex.kernels.sgmv_plan import (
     row_align,
     shrink_constexprs,
 )
-
-# Names that moved to launch.py and sgmv_plan.py stay importable from here.
-__all__ = ["Launch", "SgmvPlan", "check_dtype", "check_kernel_device", "check_same_device",
-           "dot_precision", "expand_launch", "floor_pow2", "num_sms", "plan_expand",
-           "plan_shrink", "sgmv_expand", "sgmv_shrink", "shrink_launch"]
-
 
 # --------------------------------------------------------------------------- device helpers
 

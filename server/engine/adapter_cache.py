@@ -20,12 +20,15 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Hashable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
+from loraplex.adapter_store.format import CanonicalAdapter
+from loraplex.adapter_store.store import AdapterSource
 from loraplex.kernels.layout import AdapterLayout, adapter_layout
 from loraplex.kernels.reference import ModuleBlocks
 from loraplex.server.engine.models.config import LORA_MODULES, ModelConfig
@@ -33,12 +36,6 @@ from loraplex.server.engine.pager import PageKind, Pager
 from loraplex.server.engine.request import Request
 
 logger = logging.getLogger(__name__)
-
-
-class AdapterSource(Protocol):
-    """Where workers get adapters by content digest (the store implements it)."""
-
-    def fetch(self, digest: str) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -55,8 +52,8 @@ class HostAdapter:
         return self.flat.numel() * self.flat.element_size()
 
 
-def flatten_adapter(adapter: Any, config: ModelConfig, dtype: torch.dtype, max_rank: int,
-                    pin: bool = False) -> HostAdapter:
+def flatten_adapter(adapter: CanonicalAdapter, config: ModelConfig, dtype: torch.dtype,
+                    max_rank: int, pin: bool = False) -> HostAdapter:
     """Lay a ``CanonicalAdapter`` out as its page region; raises ``ValueError`` if it does not
     fit this model or this engine."""
     rank = int(adapter.rank)
@@ -149,7 +146,7 @@ class AdapterManager:
         self._staged: dict[str, HostAdapter] = {}
         self._pool = ThreadPoolExecutor(num_loader_threads, thread_name_prefix="adapter-load")
         self._copy_stream = torch.cuda.Stream(pools.device) if self._pin else None
-        self._pending_copies: list[Any] = []
+        self._pending_copies: list[torch.cuda.Event] = []
         self.counters = {"loads": 0, "load_seconds": 0.0, "load_failures": 0, "host_hits": 0,
                          "host_misses": 0, "device_hits": 0, "device_misses": 0,
                          "evictions": 0}
@@ -301,8 +298,9 @@ class AdapterManager:
             torch.cuda.current_stream(self.pools.device).wait_event(event)
         self._pending_copies.clear()
 
-    def _on_evict(self, digest: Any) -> None:
-        self._resident.pop(digest, None)
+    def _on_evict(self, digest: Hashable) -> None:
+        # The pager keys ADAPTER entries by digest (acquire adds them so).
+        self._resident.pop(str(digest), None)
         self.counters["evictions"] += 1
 
     def resident(self, digest: str) -> ResidentAdapter:

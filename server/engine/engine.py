@@ -15,9 +15,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from loraplex.adapter_store.store import AdapterSource
 from loraplex.kernels.layout import kv_page_elems
 from loraplex.server.config import EngineConfig
-from loraplex.server.engine.adapter_cache import AdapterManager, AdapterSource
+from loraplex.server.engine.adapter_cache import AdapterManager
 from loraplex.server.engine.calibration import calibrate
 from loraplex.server.engine.model_runner import ModelRunner
 from loraplex.server.engine.models.builtin import resolve_model_path

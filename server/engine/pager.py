@@ -178,12 +178,6 @@ class Pager:
         self._entries[key] = _Entry(kind, [page], 1)
         self._page_entry[page] = key
 
-    def has_entry(self, key: Hashable) -> bool:
-        return key in self._entries
-
-    def entry_pages(self, key: Hashable) -> list[int]:
-        return list(self._entries[key].pages)
-
     def pin(self, key: Hashable) -> None:
         entry = self._entries[key]
         if entry.pins == 0:
@@ -202,20 +196,6 @@ class Pager:
 
     def pins(self, key: Hashable) -> int:
         return self._entries[key].pins
-
-    def remove_entry(self, key: Hashable) -> None:
-        """Drop an unpinned entry now (its pages return to the pool; no callback)."""
-        entry = self._entries[key]
-        if entry.pins:
-            raise ValueError(f"entry {key!r} is pinned")
-        del self._lru[key]
-        self._num_evictable -= len(entry.pages)
-        del self._entries[key]
-        self._release_entry_pages(entry)
-
-    def lru_keys(self) -> list[Hashable]:
-        """Unpinned entries, least recently used first."""
-        return list(self._lru)
 
     def _evict_lru(self) -> None:
         key, _ = self._lru.popitem(last=False)

@@ -124,6 +124,5 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
-    num_charged_tokens: int = 0  # tokens counted as service for fairness (never twice)
     error: str | None = None
     index: int = 0  # the sequence, of the request's n

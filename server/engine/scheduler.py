@@ -356,7 +356,3 @@ class Scheduler:
             self.waiting.remove(request)
         self._release(request, finished=True)
         request.status = status
-
-    def finish_many(self, requests: Iterable[Request], status: RequestStatus) -> None:
-        for req in list(requests):
-            self.finish(req, status)

@@ -34,7 +34,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from loraplex.kernels import paged_attention as pa  # noqa: E402
-from loraplex.kernels import sgmv  # noqa: E402
+from loraplex.kernels import sgmv, sgmv_plan  # noqa: E402
 from loraplex.kernels.metadata import AttentionMetadata  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -115,8 +115,8 @@ def _lora_launches(tokens: int, segments: int, d_in: int, d_out: int, rank: int,
     offsets = torch.zeros(segments, dtype=torch.int64)
     x = torch.empty(tokens, d_in, dtype=dtype)
     seg = (pool, table, indptr, ranks, offsets)
-    shrink = sgmv.plan_shrink(tokens, segments, d_in, rank, PAGE_ELEMS, H200_SMS)
-    expand = sgmv.plan_expand(tokens, segments, d_out, rank, PAGE_ELEMS, H200_SMS)
+    shrink = sgmv_plan.plan_shrink(tokens, segments, d_in, rank, PAGE_ELEMS, H200_SMS)
+    expand = sgmv_plan.plan_expand(tokens, segments, d_out, rank, PAGE_ELEMS, H200_SMS)
     h = torch.empty(tokens, rank, dtype=torch.float32)
     y = torch.empty(tokens, d_out, dtype=dtype)
     scales = torch.ones(segments, dtype=torch.float32)

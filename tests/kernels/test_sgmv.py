@@ -11,7 +11,7 @@ import torch
 import triton
 
 from loraplex.kernels import reference, sgmv, sgmv_plan
-from loraplex.kernels.sgmv import SgmvPlan, plan_expand, plan_shrink
+from loraplex.kernels.sgmv_plan import SgmvPlan, plan_expand, plan_shrink
 from tests.kernels.lora_batches import DEVICE, PATTERNS, LoraBatch, make_batch
 
 # Per dtype (rtol, atol, why). Kernel and reference multiply the same stored values and
