@@ -54,6 +54,9 @@ class SamplingMetadata:
             ``output_token_counts``.
         output_token_counts: ``[R, V]`` float32, how often each row generated each token (set
             with the two penalties).
+        seen_positions / count_positions: ``(rows, tokens)`` int64 or None, the entries of
+            ``seen_tokens`` / ``output_token_counts`` that are set (repeats allowed), so the
+            penalties touch only them; None: found from the table (replace them together).
         blocked_tokens: ``[R, V]`` bool or None, tokens masked for this step (EOS and stop
             tokens of a row that has not reached its ``min_tokens``).
         allowed_token_bitmask: ``[R, ceil(V / 32)]`` int32 or None; bit ``j`` of word ``w``
@@ -79,6 +82,8 @@ class SamplingMetadata:
     presence_penalty: torch.Tensor | None = None
     output_token_counts: torch.Tensor | None = None
     blocked_tokens: torch.Tensor | None = None
+    seen_positions: tuple[torch.Tensor, torch.Tensor] | None = None
+    count_positions: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_rows(self) -> int:
