@@ -13,7 +13,8 @@ also KV + cached prefix pages), and the ratios shared / separate, against the is
 Then the sampler's cost per decode step at batch 64 with every control on (penalties, logit
 bias, min-p, min-tokens, top-k/top-p, seeded draws): the median time of ``sample`` (metadata
 built from the running requests, logits of the model's vocabulary) against the median decode
-step of the same 64 requests (target: at most 10%).
+step of the same 64 requests (target: at most 10%). ``--sampler-only`` measures only that
+(``--model smollm2 --sampler-only`` on the real vocabulary and depth).
 
 Usage: ``python benchmarks/parallel_sampling_bench.py --model PATH --out bench-out/parallel``
 (defaults are the issue's trace; without ``--model`` a random Llama of the engine benchmark's
@@ -44,6 +45,7 @@ from loraplex.server import env  # noqa: E402
 from loraplex.server.commands import write_demo_adapter  # noqa: E402
 from loraplex.server.config import EngineConfig, SchedulerConfig  # noqa: E402
 from loraplex.server.engine.engine import Engine  # noqa: E402
+from loraplex.server.engine.models.builtin import resolve_model_path  # noqa: E402
 from loraplex.server.engine.models.config import ModelConfig  # noqa: E402
 from loraplex.server.engine.request import SamplingParams  # noqa: E402
 from loraplex.server.engine.sampler import SamplingMetadata, sample  # noqa: E402
@@ -51,7 +53,8 @@ from loraplex.server.engine.sampler import SamplingMetadata, sample  # noqa: E40
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="an HF model directory (default: random)")
+    p.add_argument("--model", default=None,
+                   help="an HF model directory, smollm2 or a .gguf file (default: random)")
     p.add_argument("--num-layers", type=int, default=BENCH_HF_CONFIG["num_hidden_layers"],
                    help="layers of the random model")
     p.add_argument("--num-prompts", type=int, default=16)
@@ -64,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-pages", type=int, default=4096)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--sampler-batch", type=int, default=64)
+    p.add_argument("--sampler-only", action="store_true",
+                   help="only the sampler's cost per decode step (no parallel-sampling trace)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="directory for the JSON")
@@ -162,42 +167,43 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     cache = env.cache_dir() / "bench"
     if args.model:
-        model = Path(args.model)
+        model = Path(resolve_model_path(args.model))
     else:
         model = build_model(cache, {**BENCH_HF_CONFIG, "num_hidden_layers": args.num_layers})
     vocab = ModelConfig.from_pretrained(str(model)).vocab_size
     rng = random.Random(args.seed)
-    with tempfile.TemporaryDirectory() as tmp:
-        digests = make_adapters(model, Path(tmp), args.num_adapters)
-        trace = [{"id": f"p{i}", "adapter": digests[i % len(digests)], "seed": 1000 * i,
-                  "prompt": [rng.randrange(vocab)
-                             for _ in range(rng.randint(*args.prompt_len))],
-                  "max_tokens": rng.randint(*args.max_tokens)}
-                 for i in range(args.num_prompts)]
-        results = []
-        print(f"{'n':>3} {'prefix':>6} {'system':>9} {'tok/s':>9} {'peak KV':>8} "
-              f"{'KV+pfx':>7} {'preempt':>7}")
-        for n in args.n:
-            for prefix in (False, True):
-                row: dict = {"n": n, "prefix_cache": prefix}
-                for shared in (True, False):
-                    r = run(engine_for(args, model, Path(tmp), prefix), trace, n, shared)
-                    row["shared" if shared else "separate"] = r
-                    print(f"{n:>3} {str(prefix):>6} {'shared' if shared else 'separate':>9} "
-                          f"{r['tokens_per_s']:>9.1f} {r['peak_kv_pages']:>8} "
-                          f"{r['peak_kv_and_prefix_pages']:>7} {r['preemptions']:>7}")
-                a, b = row["shared"], row["separate"]
-                row["throughput_ratio"] = a["tokens_per_s"] / b["tokens_per_s"]
-                row["peak_pages_ratio"] = (a["peak_kv_and_prefix_pages"]
-                                           / b["peak_kv_and_prefix_pages"])
-                same = sum(a["tokens"][k] == b["tokens"].get(k) for k in a["tokens"])
-                row["same_tokens"] = f"{same}/{len(a['tokens'])}"
-                print(f"    shared / separate: {row['throughput_ratio']:.2f}x tokens/s, "
-                      f"{row['peak_pages_ratio']:.2f}x peak pages; same tokens {same}/"
-                      f"{len(a['tokens'])}")
-                for r in (a, b):
-                    del r["tokens"]
-                results.append(row)
+    results = []
+    if not args.sampler_only:  # the trace, then the sampler's cost
+        with tempfile.TemporaryDirectory() as tmp:
+            digests = make_adapters(model, Path(tmp), args.num_adapters)
+            trace = [{"id": f"p{i}", "adapter": digests[i % len(digests)], "seed": 1000 * i,
+                      "prompt": [rng.randrange(vocab)
+                                 for _ in range(rng.randint(*args.prompt_len))],
+                      "max_tokens": rng.randint(*args.max_tokens)}
+                     for i in range(args.num_prompts)]
+            print(f"{'n':>3} {'prefix':>6} {'system':>9} {'tok/s':>9} {'peak KV':>8} "
+                  f"{'KV+pfx':>7} {'preempt':>7}")
+            for n in args.n:
+                for prefix in (False, True):
+                    row: dict = {"n": n, "prefix_cache": prefix}
+                    for shared in (True, False):
+                        r = run(engine_for(args, model, Path(tmp), prefix), trace, n, shared)
+                        row["shared" if shared else "separate"] = r
+                        print(f"{n:>3} {str(prefix):>6} {'shared' if shared else 'separate':>9} "
+                              f"{r['tokens_per_s']:>9.1f} {r['peak_kv_pages']:>8} "
+                              f"{r['peak_kv_and_prefix_pages']:>7} {r['preemptions']:>7}")
+                    a, b = row["shared"], row["separate"]
+                    row["throughput_ratio"] = a["tokens_per_s"] / b["tokens_per_s"]
+                    row["peak_pages_ratio"] = (a["peak_kv_and_prefix_pages"]
+                                               / b["peak_kv_and_prefix_pages"])
+                    same = sum(a["tokens"][k] == b["tokens"].get(k) for k in a["tokens"])
+                    row["same_tokens"] = f"{same}/{len(a['tokens'])}"
+                    print(f"    shared / separate: {row['throughput_ratio']:.2f}x tokens/s, "
+                          f"{row['peak_pages_ratio']:.2f}x peak pages; same tokens {same}/"
+                          f"{len(a['tokens'])}")
+                    for r in (a, b):
+                        del r["tokens"]
+                    results.append(row)
     cost = sampler_cost(args, model)
     print(f"sampler at batch {cost['batch']}, every control on: "
           f"{cost['median_sample_s'] * 1e3:.2f} ms of a {cost['median_step_s'] * 1e3:.1f} ms "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 def build_controls(requests: Sequence[Request], vocab_size: int | None,
                    eos_token_ids: tuple[int, ...], device: torch.device | None = None
-                   ) -> dict[str, torch.Tensor | None]:
+                   ) -> dict[str, Any]:
     """``SamplingMetadata``'s control fields for one row per request. The ``[R, V]`` tables
     are made on ``device`` (default CPU) from small index tensors: only the token ids cross
     to the device, never a table.
@@ -32,7 +32,7 @@ def build_controls(requests: Sequence[Request], vocab_size: int | None,
         ValueError: a row needs ``[R, V]`` tensors and ``vocab_size`` is None.
     """
     params = [r.params for r in requests]
-    out: dict[str, torch.Tensor | None] = {}
+    out: dict[str, Any] = {}
     if any(p.min_p > 0 for p in params):
         out["min_p"] = torch.tensor([p.min_p for p in params], dtype=torch.float32)
     blocked = [i for i, r in enumerate(requests) if r.num_output_tokens < r.params.min_tokens]
@@ -49,17 +49,21 @@ def build_controls(requests: Sequence[Request], vocab_size: int | None,
     if repetition:
         out["repetition_penalty"] = torch.tensor([p.repetition_penalty for p in params],
                                                  dtype=torch.float32)
-        out["seen_tokens"] = token_counts(
+        positions = _row_tokens(
             [r.all_token_ids if r.params.repetition_penalty != 1.0 else [] for r in requests],
-            vocab, dev) > 0  # [R, V]
+            dev)
+        out["seen_tokens"] = token_set(positions, num_rows, vocab)  # [R, V]
+        out["seen_positions"] = positions
     if counted:
         out["frequency_penalty"] = torch.tensor([p.frequency_penalty for p in params],
                                                 dtype=torch.float32)
         out["presence_penalty"] = torch.tensor([p.presence_penalty for p in params],
                                                dtype=torch.float32)
-        out["output_token_counts"] = token_counts(
+        positions = _row_tokens(
             [r.output_token_ids if r.params.frequency_penalty or r.params.presence_penalty
-             else [] for r in requests], vocab, dev)  # [R, V]
+             else [] for r in requests], dev)
+        out["output_token_counts"] = token_counts(positions, num_rows, vocab)  # [R, V]
+        out["count_positions"] = positions
     if biased:
         rows = [i for i, p in enumerate(params) for _ in p.logit_bias]
         tokens = [t for p in params for t, _ in p.logit_bias]
@@ -83,16 +87,35 @@ def build_controls(requests: Sequence[Request], vocab_size: int | None,
     return out
 
 
-def token_counts(token_lists: Sequence[Sequence[int]], vocab: int,
-                 device: torch.device | None = None) -> torch.Tensor:
-    """``[R, V]`` float32 on ``device``: how many times each row's list holds each token."""
-    num_rows = len(token_lists)
+def token_counts(positions: tuple[torch.Tensor, torch.Tensor], num_rows: int, vocab: int
+                 ) -> torch.Tensor:
+    """``[R, V]`` float32: how many times each ``(row, token)`` of ``positions`` occurs."""
+    rows, flat = positions
+    counts = torch.zeros(num_rows, vocab, dtype=torch.float32, device=flat.device)
+    # Accumulated ones straight into the float32 table: exact integer counts, with no int64
+    # [R, V] table to fill and convert.
+    counts.index_put_((rows, flat), torch.ones(flat.numel(), device=flat.device),
+                      accumulate=True)
+    return counts
+
+
+def token_set(positions: tuple[torch.Tensor, torch.Tensor], num_rows: int, vocab: int
+              ) -> torch.Tensor:
+    """``[R, V]`` bool: True at each ``(row, token)`` of ``positions``."""
+    rows, flat = positions
+    seen = torch.zeros(num_rows, vocab, dtype=torch.bool, device=flat.device)
+    seen[rows, flat] = True
+    return seen
+
+
+def _row_tokens(token_lists: Sequence[Sequence[int]], device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(rows, tokens)`` int64 index tensors of every token of every row's list."""
     flat = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64,
                         device=device)
-    rows = torch.repeat_interleave(torch.arange(num_rows, device=device),
+    rows = torch.repeat_interleave(torch.arange(len(token_lists), device=device),
                                    torch.tensor([len(t) for t in token_lists], device=device))
-    counts = torch.bincount(rows * vocab + flat, minlength=num_rows * vocab)
-    return counts.view(num_rows, vocab).to(torch.float32)
+    return rows, flat
 
 
 def apply_controls(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -103,17 +126,35 @@ def apply_controls(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
     """
     device = logits.device
     m = metadata
+    # One copy of the logits, then every control in place: each touches only the tokens it
+    # names (a few hundred per row), never a full [R, V] pass per operation. Per token the
+    # arithmetic is the dense formula's, so the values are the same.
+    logits = logits.clone()
     if m.repetition_penalty is not None and m.seen_tokens is not None:
-        penalty = m.repetition_penalty.to(device)[:, None]  # [R, 1]
-        penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
-        logits = torch.where(m.seen_tokens.to(device), penalized, logits)
+        rows, tokens = _positions(m.seen_positions, m.seen_tokens, device)
+        values = logits[rows, tokens]
+        penalty = m.repetition_penalty.to(device)[rows]
+        logits[rows, tokens] = torch.where(values < 0, values * penalty, values / penalty)
     if (m.output_token_counts is not None and m.frequency_penalty is not None
             and m.presence_penalty is not None):
         counts = m.output_token_counts.to(device)  # [R, V]
-        logits = (logits - m.frequency_penalty.to(device)[:, None] * counts
-                  - m.presence_penalty.to(device)[:, None] * (counts > 0))
+        rows, tokens = _positions(m.count_positions, counts, device)
+        # A token never generated is left alone: x - f * 0 - p * 0 is x.
+        logits[rows, tokens] = (logits[rows, tokens]
+                                - m.frequency_penalty.to(device)[rows] * counts[rows, tokens]
+                                - m.presence_penalty.to(device)[rows])
     if m.logit_bias is not None:
-        logits = logits + m.logit_bias.to(device)
+        logits.add_(m.logit_bias.to(device))
     if m.blocked_tokens is not None:
-        logits = logits.masked_fill(m.blocked_tokens.to(device), float("-inf"))
+        logits.masked_fill_(m.blocked_tokens.to(device), float("-inf"))
     return logits
+
+
+def _positions(positions: tuple[torch.Tensor, torch.Tensor] | None, table: torch.Tensor,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    # A repeated position is harmless: every write of it stores the same value, computed
+    # from the logits before any write.
+    if positions is None:
+        rows, tokens = table.to(device).nonzero(as_tuple=True)
+        return rows, tokens
+    return positions[0].to(device), positions[1].to(device)

@@ -54,6 +54,9 @@ class SamplingMetadata:
             ``output_token_counts``.
         output_token_counts: ``[R, V]`` float32, how often each row generated each token (set
             with the two penalties).
+        seen_positions / count_positions: ``(rows, tokens)`` int64 or None, the entries of
+            ``seen_tokens`` / ``output_token_counts`` that are set (repeats allowed), so the
+            penalties touch only them; None: found from the table (replace them together).
         blocked_tokens: ``[R, V]`` bool or None, tokens masked for this step (EOS and stop
             tokens of a row that has not reached its ``min_tokens``).
         allowed_token_bitmask: ``[R, ceil(V / 32)]`` int32 or None; bit ``j`` of word ``w``
@@ -79,6 +82,8 @@ class SamplingMetadata:
     presence_penalty: torch.Tensor | None = None
     output_token_counts: torch.Tensor | None = None
     blocked_tokens: torch.Tensor | None = None
+    seen_positions: tuple[torch.Tensor, torch.Tensor] | None = None
+    count_positions: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -155,67 +160,98 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
     # A row is unusable if it holds NaN or +inf, or masks every token: its maximum (which
     # propagates NaN) is then not finite. One reduction, not a pass per condition.
     failed = ~logits.amax(-1).isfinite()  # [R]
-    token_ids = logits.argmax(dim=-1).tolist()
     greedy = metadata.greedy.tolist()
     drawn = [i for i in range(num_rows) if not greedy[i]]
+    # The argmax is the token of greedy rows only (a failed row's token is unspecified).
+    token_ids = [0] * num_rows
+    greedy_rows = [i for i in range(num_rows) if greedy[i]]
+    if greedy_rows:
+        picked = logits[torch.tensor(greedy_rows, device=logits.device)].argmax(dim=-1)
+        for i, t in zip(greedy_rows, picked.tolist()):
+            token_ids[i] = t
     probs_out = None
     if metadata.return_probs:
         probs_out = torch.zeros(num_rows, vocab, dtype=torch.float32)
-        greedy_rows = [i for i in range(num_rows) if greedy[i]]
         probs_out[greedy_rows, [token_ids[i] for i in greedy_rows]] = 1.0
     failed_rows = set(torch.nonzero(failed.cpu()).flatten().tolist())
     if drawn:
-        index = torch.tensor(drawn)
-        probs = _probabilities(logits[index.to(logits.device)], metadata,
-                               index.to(logits.device))  # [N, V] on the logits' device
-        bad = (~probs.isfinite().all(-1) | ~(probs.sum(-1) > 0)).tolist()  # [N]
+        index = torch.tensor(drawn, device=logits.device)
+        probs = _probabilities(logits, metadata, index, len(drawn) == num_rows)  # [N, V]
+        total = probs.sum(-1)  # a non-finite probability makes it non-finite
+        bad = (~(total.isfinite() & (total > 0))).tolist()  # [N]
         # Inverse-CDF draws: one uniform number per row from the row's own (CPU) generator,
         # so a seeded row draws the same alone or in any batch, on any device; the search
         # is one batched op (a zero-probability token is never found: its CDF step is empty).
         uniform = torch.tensor([draw_uniform(metadata.generators[i]) for i in drawn],
                                dtype=torch.float64, device=probs.device)  # [N]
-        cdf = probs.double().cumsum(-1)  # [N, V]
-        found = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)
-        picks = found[:, 0].clamp(max=vocab - 1).tolist()
+        picks = _inverse_cdf(probs, uniform).tolist()
         for row, i in enumerate(drawn):
             if i in failed_rows or bad[row]:
                 failed_rows.add(i)
             else:
                 token_ids[i] = picks[row]
         if probs_out is not None:
-            probs_out[index] = probs.cpu()
+            probs_out[index.cpu()] = probs.cpu()
     logprobs = _logprobs(raw, metadata, token_ids, failed_rows)
     return SamplerOutput(token_ids, logprobs, probs_out, tuple(sorted(failed_rows)))
 
 
 def _probabilities(logits: torch.Tensor, metadata: SamplingMetadata,
-                   index: torch.Tensor) -> torch.Tensor:
-    """``[N, V]`` logits of the drawn rows ``index`` (on the logits' device) -> their final
-    probabilities."""
+                   index: torch.Tensor, all_rows: bool = False) -> torch.Tensor:
+    """``[R, V]`` logits -> the final probabilities ``[N, V]`` of the drawn rows ``index`` (on
+    the logits' device; ``all_rows``: ``index`` is every row, so no gather)."""
     vocab = logits.shape[-1]
-    scaled = logits / metadata.temperature.to(index.device)[index, None]
+    temperature = metadata.temperature.to(index.device)[index, None]
+    # One fresh [N, V] buffer, then every cut in place on it.
+    scaled = logits / temperature if all_rows else logits[index].div_(temperature)
     top_k = metadata.top_k.to(index.device)[index]
     cut_k = (top_k > 0) & (top_k < vocab)  # [N]
     if bool(cut_k.any()):
         # The k-th largest value of each row (topk of the largest k asked, not a sort of the
-        # vocabulary); ties with it stay, as topk's cut would keep them.
+        # vocabulary); ties with it stay, as topk's cut would keep them. A row without a cut
+        # compares with -inf, which nothing is below.
         k_max = int(top_k[cut_k].max())
         kth = scaled.topk(k_max, dim=-1).values.gather(
             1, (top_k.clamp(1, k_max) - 1)[:, None])  # [N, 1]
-        scaled = scaled.masked_fill(cut_k[:, None] & (scaled < kth), float("-inf"))
+        kth.masked_fill_(~cut_k[:, None], float("-inf"))
+        scaled.masked_fill_(scaled < kth, float("-inf"))
     top_p = metadata.top_p.to(index.device)[index]
     cut_p = top_p < 1.0  # [N]
-    if bool(cut_p.any()):
+    if bool(cut_p.all()):
+        scaled = _top_p_cut(scaled, top_p)
+    elif bool(cut_p.any()):
         rows = cut_p.nonzero().flatten()
-        scaled = scaled.clone()
         scaled[rows] = _top_p_cut(scaled[rows], top_p[rows])
     probs = scaled.softmax(-1)
     if metadata.min_p is not None:
         min_p = metadata.min_p.to(index.device)[index]
         floor = min_p[:, None] * probs.amax(-1, keepdim=True)
-        probs = probs.masked_fill(probs < floor, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
+        probs.masked_fill_(probs < floor, 0.0)
+        probs.div_(probs.sum(-1, keepdim=True))
     return probs
+
+
+def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """``[N, V]`` probabilities, ``[N]`` float64 uniforms -> ``[N]`` the token of each row
+    whose float64 CDF step holds ``uniform * total`` (``V - 1`` past the end).
+
+    Only the tokens of nonzero probability enter the CDF, packed to the left of an ``[N, K]``
+    table in token order (K: the most any row has, after the cuts a few hundred, not V): a
+    zero adds nothing to a running sum, so each partial sum is the full CDF's, bit for bit.
+    """
+    num_rows, vocab = probs.shape
+    rows, tokens = (probs > 0).nonzero(as_tuple=True)  # row-major: token order in each row
+    counts = torch.bincount(rows, minlength=num_rows)
+    width = max(int(counts.max()) if rows.numel() else 0, 1)
+    starts = counts.cumsum(0) - counts
+    slots = torch.arange(rows.numel(), device=probs.device) - starts[rows]
+    packed = torch.zeros(num_rows, width, dtype=torch.float64, device=probs.device)
+    packed[rows, slots] = probs[rows, tokens].double()
+    ids = torch.full((num_rows, width + 1), vocab - 1, dtype=torch.int64, device=probs.device)
+    ids[rows, slots] = tokens
+    cdf = packed.cumsum(-1)  # [N, K]
+    found = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)  # [N, 1]
+    return ids.gather(1, found)[:, 0]
 
 
 # Top-p looks for its cut among each row's most likely tokens first: a sort of the whole
@@ -233,7 +269,9 @@ def _top_p_cut(scaled: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     before = cand_p.cumsum(-1) - cand_p
     # When the candidates hold top_p, every other token has at least that much before it.
     inside = cand_p.sum(-1) >= top_p  # [M]
-    if bool(inside.any()):
+    if bool(inside.all()):
+        keep.scatter_(1, cand_ids, before < top_p[:, None])
+    elif bool(inside.any()):
         keep[inside] = keep[inside].scatter(1, cand_ids[inside],
                                             before[inside] < top_p[inside, None])
     if not bool(inside.all()):
@@ -241,7 +279,7 @@ def _top_p_cut(scaled: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         sorted_p, order = probs[outside].sort(dim=-1, descending=True)
         keep[outside] = keep[outside].scatter(
             1, order, sorted_p.cumsum(-1) - sorted_p < top_p[outside, None])
-    return scaled.masked_fill(~keep, float("-inf"))
+    return scaled.masked_fill_(~keep, float("-inf"))
 
 
 def _logprobs(logits: torch.Tensor, metadata: SamplingMetadata, token_ids: list[int],
