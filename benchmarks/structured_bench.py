@@ -208,8 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         adapters = make_adapters(args.model, args.num_adapters, Path(tmp))
 
     def engine(jump_forward: str) -> Engine:
+        # No prefix cache: the runs replay the same prompts, and with it whichever run came
+        # second on an engine (free, after constrained) skipped its prefill (issue 17).
         return Engine(EngineConfig(model=args.model, device=args.device, num_pages=4096,
                                    jump_forward=jump_forward, seed=0,
+                                   enable_prefix_caching=False,
                                    scheduler=SchedulerConfig(max_num_seqs=256)),
                       adapter_source=Adapters(adapters))
 

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+import xgrammar as xgr
 
 from loraplex.server.engine.controls import apply_controls, build_controls
 from loraplex.server.engine.request import Request, TokenLogprob
@@ -155,8 +156,7 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
     raw = logits
     logits = apply_controls(logits, metadata)
     if metadata.allowed_token_bitmask is not None:
-        allowed = unpack_bitmask(metadata.allowed_token_bitmask.to(logits.device), vocab)
-        logits = logits.masked_fill(~allowed, float("-inf"))
+        logits = apply_bitmask(logits, raw, metadata.allowed_token_bitmask)
     # A row is unusable if it holds NaN or +inf, or masks every token: its maximum (which
     # propagates NaN) is then not finite. One reduction, not a pass per condition.
     failed = ~logits.amax(-1).isfinite()  # [R]
@@ -326,3 +326,21 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+
+
+def apply_bitmask(logits: torch.Tensor, raw: torch.Tensor, bitmask: torch.Tensor
+                  ) -> torch.Tensor:
+    """``logits`` ``[R, V]`` with the tokens ``bitmask`` (``[R, ceil(V / 32)]`` int32) does not
+    allow set to -inf; ``raw`` (the unprocessed logits, read later for logprobs) is never
+    written."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or bitmask.is_cuda:
+        allowed = unpack_bitmask(bitmask.to(logits.device), logits.shape[-1])
+        return logits.masked_fill(~allowed, float("-inf"))
+    # On CPU xgrammar's kernel reads the packed words in place: unpacking to an [R, V] bool
+    # tensor first costs twice as much over a 49k vocabulary (issue 17).
+    if logits.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr():
+        logits = logits.clone()  # no control touched the logits: keep ``raw`` as it was
+    elif not logits.is_contiguous():
+        logits = logits.contiguous()
+    xgr.apply_token_bitmask_inplace(logits, bitmask.contiguous(), vocab_size=logits.shape[-1])
+    return logits

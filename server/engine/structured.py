@@ -44,7 +44,6 @@ import torch
 import xgrammar as xgr
 
 from loraplex.server.engine.request import Request
-from loraplex.server.engine.sampler import unpack_bitmask
 from loraplex.server.engine.tokenizer import Tokenizer
 from loraplex.server.engine.utf8_filter import START, Utf8Filter
 from loraplex.server.params import StructuredOutput
@@ -165,8 +164,26 @@ class GrammarState:
         """The one token the grammar allows next, or None when it allows several (or none)."""
         bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)]
         self.fill(req, bitmask, 0)
-        allowed = torch.nonzero(unpack_bitmask(bitmask, vocab_size)[0]).flatten()
-        return int(allowed[0]) if allowed.numel() == 1 else None
+        return single_token(bitmask[0], vocab_size)
+
+
+def single_token(row: torch.Tensor, vocab_size: int) -> int | None:
+    """The one token a packed row (``[ceil(V / 32)]`` int32) allows, or None when it allows
+    several or none; bits past ``vocab_size`` do not count. Reads the nonzero words only,
+    without unpacking the row to ``[V]`` bool each step."""
+    words = torch.nonzero(row).flatten().tolist()
+    tokens: list[int] = []
+    for w in words:
+        word = int(row[w]) & 0xFFFFFFFF
+        while word and len(tokens) < 2:
+            low = word & -word  # the lowest set bit
+            token = 32 * w + low.bit_length() - 1
+            if token < vocab_size:
+                tokens.append(token)
+            word ^= low
+        if len(tokens) > 1:
+            return None
+    return tokens[0] if tokens else None
 
 
 class GrammarService:
