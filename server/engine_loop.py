@@ -15,8 +15,9 @@ import time
 from collections.abc import Callable
 
 from loraplex.server.api import ChatMessages, WorkerRequest
-from loraplex.server.engine.engine import Engine, EngineStats
+from loraplex.server.engine.engine import Engine
 from loraplex.server.engine.request import Request, RequestOutput
+from loraplex.server.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 

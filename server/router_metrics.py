@@ -35,8 +35,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from loraplex.server.engine.engine import EngineStats
 from loraplex.server.engine.request import Request, RequestStatus
+from loraplex.server.engine.stats import EngineStats
 
 
 class RouterSnapshot(NamedTuple):

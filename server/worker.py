@@ -41,8 +41,9 @@ from loraplex.server.api import (
     WorkerStatus,
 )
 from loraplex.server.config import EngineConfig, WorkerConfig
-from loraplex.server.engine.engine import Engine, EngineStats
+from loraplex.server.engine.engine import Engine
 from loraplex.server.engine.request import Request, RequestOutput
+from loraplex.server.engine.stats import EngineStats
 from loraplex.server.engine_loop import EngineLoop
 from loraplex.server.launch import served_model_name
 from loraplex.server.metrics import MetricsServer, StreamTimer, WorkerMetrics

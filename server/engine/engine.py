@@ -11,7 +11,7 @@ import logging
 import queue
 import secrets
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
@@ -25,7 +25,7 @@ from loraplex.server.engine.models.builtin import resolve_model_path
 from loraplex.server.engine.models.config import ModelConfig, parse_dtype
 from loraplex.server.engine.models.llama import LlamaModel
 from loraplex.server.engine.models.loader import load_weights, model_revision
-from loraplex.server.engine.pager import Pager, PagerStats
+from loraplex.server.engine.pager import Pager
 from loraplex.server.engine.parallel.driver import TensorParallel
 from loraplex.server.engine.parallel.group import RankFailure
 from loraplex.server.engine.prefix_cache import PrefixCache
@@ -39,7 +39,8 @@ from loraplex.server.engine.request import (
 )
 from loraplex.server.engine.sampler import SamplingMetadata, draw_uniform, sample
 from loraplex.server.engine.scheduler import Scheduler
-from loraplex.server.engine.step_cost import StepCostModel, StepTimer, StepTimeStats
+from loraplex.server.engine.stats import EngineStats, collect_stats
+from loraplex.server.engine.step_cost import StepCostModel, StepTimer
 from loraplex.server.engine.structured import GrammarService
 from loraplex.server.engine.tokenizer import Detokenizer, load_tokenizer
 from loraplex.server.engine.warmup import warm_up
@@ -49,34 +50,6 @@ logger = logging.getLogger(__name__)
 
 SAMPLING_FAILED = ("sampling failed: non-finite probabilities (temperature too small, or "
                    "adapter or model weights that overflow in the activations)")
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot for metrics and status reports (counters are totals since start)."""
-
-    num_waiting: int
-    num_running: int
-    num_preemptions: int
-    pages: PagerStats  # pages by kind: free, kv, adapter, prefix
-    num_steps: int
-    resident_adapters: tuple[str, ...] = ()  # digests with pages in the pool
-    host_adapters: tuple[str, ...] = ()  # digests in the host (CPU RAM) cache
-    adapter_loads: int = 0
-    adapter_load_seconds: float = 0.0
-    adapter_load_failures: int = 0
-    host_hits: int = 0
-    host_misses: int = 0
-    device_hits: int = 0
-    device_misses: int = 0
-    adapter_evictions: int = 0
-    prefix_queried_tokens: dict[str, int] = field(default_factory=dict)  # by tenant
-    prefix_hit_tokens: dict[str, int] = field(default_factory=dict)  # by tenant
-    step_times: StepTimeStats = StepTimeStats()  # measured against predicted step time
-    grammar_compiles: int = 0  # structured output: compiles run (failed ones included)
-    grammar_compile_failures: int = 0
-    grammar_cache_hits: int = 0
-    jump_forward_tokens: int = 0  # output tokens appended by jump-forward, no model step
 
 
 class Engine:
@@ -584,29 +557,5 @@ class Engine:
         return outputs
 
     def stats(self) -> EngineStats:
-        adapter_fields = {}
-        if self.adapters is not None:
-            c = self.adapters.counters
-            adapter_fields = dict(
-                resident_adapters=self.adapters.resident_digests(),
-                host_adapters=self.adapters.host_digests(),
-                adapter_loads=int(c["loads"]), adapter_load_seconds=float(c["load_seconds"]),
-                adapter_load_failures=int(c["load_failures"]), host_hits=int(c["host_hits"]),
-                host_misses=int(c["host_misses"]), device_hits=int(c["device_hits"]),
-                device_misses=int(c["device_misses"]), adapter_evictions=int(c["evictions"]))
-        prefix_fields = {}
-        if self.prefix_cache is not None:
-            p = self.prefix_cache.stats()
-            prefix_fields = dict(prefix_queried_tokens=p.queried_tokens,
-                                 prefix_hit_tokens=p.hit_tokens)
-        grammar_fields = {}
-        if self.grammars is not None:
-            g = self.grammars
-            grammar_fields = dict(grammar_compiles=g.num_compiles,
-                                  grammar_compile_failures=g.num_compile_failures,
-                                  grammar_cache_hits=g.cache.hits,
-                                  jump_forward_tokens=g.num_jumped_tokens)
-        return EngineStats(self.scheduler.num_waiting, self.scheduler.num_running,
-                           self.scheduler.num_preemptions, self.pager.stats(), self._num_steps,
-                           **adapter_fields, **prefix_fields, **grammar_fields,
-                           step_times=self.step_timer.stats())
+        return collect_stats(self.scheduler, self.pager, self._num_steps, self.step_timer,
+                             self.adapters, self.prefix_cache, self.grammars)

@@ -21,8 +21,8 @@ from loraplex.adapter_store.store import AdapterStore, open_store
 from loraplex.server.auth import KeyRing, hash_key
 from loraplex.server.client import Client
 from loraplex.server.config import EngineConfig, SchedulerConfig
-from loraplex.server.engine.engine import EngineStats
 from loraplex.server.engine.models.config import ModelConfig
+from loraplex.server.engine.stats import EngineStats
 from loraplex.server.gateway import Gateway, GatewayConfig
 from loraplex.server.quota import open_quota_backend
 from loraplex.server.worker import WorkerConfig, WorkerServer, build_engine
