@@ -153,6 +153,15 @@ class StubGate:
     def release(self, request):
         pass
 
+    def begin_step(self):
+        pass
+
+    def take_failures(self):
+        return {}
+
+    def host_pages(self, digest):
+        return None
+
 
 def test_a_loading_adapter_does_not_block_the_queue():
     gate = StubGate(loading={"slow"})
