@@ -437,23 +437,12 @@ class Scheduler:
         """Append tokens to a running request up to the first that finishes it (grammar
         complete, a stop token, EOS unless ``ignore_eos``, ``max_tokens``, the model's
         length); a finished request returns its pages at once."""
-        params = request.params
         status = None
         taken = 0
         for token, lp in zip(token_ids, logprobs):
-            request.output_token_ids.append(token)
-            if lp is not None:
-                request.logprobs.append(lp)
+            request.append_token(token, lp)
             taken += 1
-            if request.grammar is not None and request.grammar.accept(request, token):
-                status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
-            elif (token in params.stop_token_ids
-                    or (not params.ignore_eos and token in self.eos_token_ids)):
-                status = RequestStatus.FINISHED_STOPPED
-            elif (request.num_output_tokens >= params.max_tokens
-                  or (self.max_model_len is not None
-                      and request.num_tokens >= self.max_model_len)):
-                status = RequestStatus.FINISHED_LENGTH
+            status = request.stop_status(token, self.eos_token_ids, self.max_model_len)
             if status is not None:
                 self.finish(request, status)
                 break
