@@ -254,6 +254,8 @@ class AdapterManager:
         if digest in self._resident:
             self.pager.pin(digest)
             self.counters["device_hits"] += 1
+            if digest in self._to_copy:  # its copy never ran (a failed step): issue it again
+                return AdapterLoad(digest, self._resident[digest].pages)
             return None
         self.counters["device_misses"] += 1
         host = self._staged.pop(digest, None)
@@ -271,12 +273,15 @@ class AdapterManager:
 
     def copy_in(self, loads: Sequence[AdapterLoad]) -> None:
         """Copy each adapter's weights from the host cache into its reserved pages (on CUDA
-        on the copy stream: ``wait_for_copies`` orders the step after them)."""
+        on the copy stream: ``wait_for_copies`` orders the step after them). A load whose
+        copy never completes (the step failed first) is returned again by the next
+        ``acquire`` of that adapter."""
         for load in loads:
-            host = self._to_copy.pop(load.digest, None)
+            host = self._to_copy.get(load.digest)
             if host is None:
-                raise RuntimeError(f"adapter {load.digest[:12]} has no copy pending")
+                continue  # copied already (a batch may carry one adapter's load twice)
             self._copy_in(host, list(load.page_ids))
+            del self._to_copy[load.digest]  # only once done: a failed copy is issued again
 
     def _pool_layout(self, host: HostAdapter) -> AdapterLayout:
         return self.sharding.pool_layout(host.layout) if self.sharding else host.layout

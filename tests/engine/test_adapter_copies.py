@@ -43,10 +43,32 @@ def test_acquire_reserves_pages_and_copy_in_writes_them(tiny_llama, tmp_path):
         load = manager.acquire(first)
         assert load == AdapterLoad(adapter.digest, manager.resident(adapter.digest).pages)
         assert pools.count_nonzero() == 0  # reserved, not copied
-        second = Request("b", [1, 2], SamplingParams(), adapter_digest=adapter.digest)
-        assert manager.acquire(second) is None  # resident: nothing more to copy
         manager.copy_in([load])
         assert pools[:, list(load.page_ids)].count_nonzero() > 0
+        second = Request("b", [1, 2], SamplingParams(), adapter_digest=adapter.digest)
+        assert manager.acquire(second) is None  # resident and copied: nothing to copy
+    finally:
+        manager.close()
+
+
+def test_a_copy_that_never_ran_is_issued_again(tiny_llama, tmp_path):
+    # A step that fails before its copies (the runner raised) must not leave the adapter
+    # resident with empty pages: the next admission carries the copy again.
+    adapter = _adapter(tiny_llama, tmp_path)
+    config = ModelConfig.from_pretrained(tiny_llama)
+    pools = torch.zeros(config.num_layers, 32, 256)
+    manager = AdapterManager(LoadedSource([adapter]), config, Pager(32), pools, max_rank=8)
+    try:
+        first = Request("a", [1, 2, 3], SamplingParams(), adapter_digest=adapter.digest)
+        _wait_ready(manager, first)
+        load = manager.acquire(first)
+        manager.release(first)  # its step failed before copy_in
+        second = Request("b", [1, 2], SamplingParams(), adapter_digest=adapter.digest)
+        assert manager.acquire(second) == load
+        manager.copy_in([load, load])  # one batch may carry the same load twice
+        assert pools[:, list(load.page_ids)].count_nonzero() > 0
+        third = Request("c", [1], SamplingParams(), adapter_digest=adapter.digest)
+        assert manager.acquire(third) is None
     finally:
         manager.close()
 
