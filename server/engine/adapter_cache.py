@@ -31,8 +31,8 @@ import torch
 
 from loraplex.adapter_store.format import CanonicalAdapter
 from loraplex.adapter_store.store import AdapterSource
+from loraplex.kernels.cpu import ModuleBlocks
 from loraplex.kernels.layout import AdapterLayout, adapter_layout
-from loraplex.kernels.reference import ModuleBlocks
 from loraplex.server.engine.batch import AdapterLoad
 from loraplex.server.engine.models.config import LORA_MODULES, ModelConfig
 from loraplex.server.engine.pager import PageKind, Pager

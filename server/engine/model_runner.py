@@ -58,14 +58,14 @@ class RunOutput(NamedTuple):
 
 
 def attention_kernels(name: str) -> tuple[Callable[..., None], Callable[..., torch.Tensor]]:
-    """(write_kv, paged_attention) for ``torch`` (the references) or ``triton``."""
+    """(write_kv, paged_attention) for ``torch`` (the CPU kernels) or ``triton``."""
     if name == "triton":
         from loraplex.kernels import paged_attention as triton_attention
 
         return triton_attention.write_kv, triton_attention.paged_attention
-    from loraplex.kernels import reference
+    from loraplex.kernels import cpu
 
-    return reference.write_kv, reference.paged_attention
+    return cpu.write_kv, cpu.paged_attention
 
 
 class ModelRunner:
