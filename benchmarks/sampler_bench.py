@@ -2,7 +2,8 @@
 
 The rows of ``parallel_sampling_bench.py``'s sampler measurement (temperature 0.8, top-k 50,
 top-p 0.9, min-p 0.05, presence and frequency penalties 0.5, repetition penalty 1.2,
-min-tokens, a 16-token logit bias, a seed each; 64 prompt and 12 output tokens; with
+min-tokens, a 16-token logit bias, a seed each; 64 prompt and 12 output tokens, or
+``--prompt-tokens`` / ``--output-tokens``; with
 ``--logprobs N`` also the top-N logprobs) on fixed random logits, without a model: the median
 wall and CPU (this thread's) time of building ``SamplingMetadata`` and sampling, and a digest
 of the tokens (a change to the sampler must leave it unchanged). ``--baseline REV`` runs the
@@ -53,9 +54,9 @@ def load_sampler(rev: str) -> types.ModuleType:
     return sys.modules[f"{prefix}_sampler"]
 
 
-def bench_requests(batch: int, vocab: int, seed: int = 0, logprobs: int | None = None
-                   ) -> list[Request]:
-    """``batch`` requests with every control on (a seed each), 64 prompt + 12 output tokens."""
+def bench_requests(batch: int, vocab: int, seed: int = 0, logprobs: int | None = None,
+                   prompt_tokens: int = 64, output_tokens: int = 12) -> list[Request]:
+    """``batch`` requests with every control on (a seed each) and random tokens so far."""
     rng = random.Random(seed)
     requests = []
     for i in range(batch):
@@ -64,9 +65,9 @@ def bench_requests(batch: int, vocab: int, seed: int = 0, logprobs: int | None =
             presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2,
             min_tokens=24, logit_bias={rng.randrange(vocab): 5.0 for _ in range(16)},
             ignore_eos=True, logprobs=logprobs)
-        req = Request(f"s{i}", [rng.randrange(vocab) for _ in range(64)], params,
+        req = Request(f"s{i}", [rng.randrange(vocab) for _ in range(prompt_tokens)], params,
                       generator=torch.Generator().manual_seed(i))
-        req.output_token_ids = [rng.randrange(vocab) for _ in range(12)]
+        req.output_token_ids = [rng.randrange(vocab) for _ in range(output_tokens)]
         requests.append(req)
     return requests
 
@@ -78,11 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=21)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--logprobs", type=int, default=None, help="top-N logprobs on every row")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--output-tokens", type=int, default=12)
     p.add_argument("--baseline", default=None, help="a commit whose sampler runs interleaved")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     vocab = args.vocab
-    requests = bench_requests(args.batch, vocab, logprobs=args.logprobs)
+    requests = bench_requests(args.batch, vocab, logprobs=args.logprobs,
+                              prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens)
     logits = torch.randn(args.batch, vocab, generator=torch.Generator().manual_seed(1))
     variants = {"this tree": current}
     if args.baseline:

@@ -11,13 +11,13 @@ others get neutral values), so a batch that asks for none pays nothing, not even
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from loraplex.server.engine.request import Request
+from loraplex.server.engine.row_tokens import output_tokens, seen_tokens
 
 if TYPE_CHECKING:
     from loraplex.server.engine.sampler import SamplingMetadata
@@ -49,17 +49,17 @@ def build_controls(requests: Sequence[Request], vocab_size: int | None,
     if repetition:
         out["repetition_penalty"] = torch.tensor([p.repetition_penalty for p in params],
                                                  dtype=torch.float32)
-        out["seen_positions"] = _row_tokens(
-            [r.all_token_ids if r.params.repetition_penalty != 1.0 else [] for r in requests],
+        out["seen_positions"] = _positions_of(
+            [seen_tokens(r) if r.params.repetition_penalty != 1.0 else () for r in requests],
             dev)
     if counted:
         out["frequency_penalty"] = torch.tensor([p.frequency_penalty for p in params],
                                                 dtype=torch.float32)
         out["presence_penalty"] = torch.tensor([p.presence_penalty for p in params],
                                                dtype=torch.float32)
-        rows, tokens = _row_tokens(
-            [r.output_token_ids if r.params.frequency_penalty or r.params.presence_penalty
-             else [] for r in requests], dev)
+        rows, tokens = _positions_of(
+            [(output_tokens(r),) if r.params.frequency_penalty or r.params.presence_penalty
+             else () for r in requests], dev)
         # Each (row, token) once, with how often it occurs: exact integer counts in float32.
         keys, counts = torch.unique(rows * vocab + tokens, return_counts=True)
         out["count_positions"] = (keys // vocab, keys % vocab)
@@ -85,14 +85,14 @@ def build_controls(requests: Sequence[Request], vocab_size: int | None,
     return out
 
 
-def _row_tokens(token_lists: Sequence[Sequence[int]], device: torch.device
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``(rows, tokens)`` int64 index tensors of every token of every row's list."""
-    flat = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64,
-                        device=device)
-    rows = torch.repeat_interleave(torch.arange(len(token_lists), device=device),
-                                   torch.tensor([len(t) for t in token_lists], device=device))
-    return rows, flat
+def _positions_of(pieces: Sequence[Sequence[torch.Tensor]], device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(rows, tokens)`` int64 index tensors of every token of every row's tensors."""
+    lengths = torch.tensor([sum(t.numel() for t in row) for row in pieces], dtype=torch.int64)
+    flat = [t for row in pieces for t in row]
+    tokens = torch.cat(flat) if flat else torch.empty(0, dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.arange(len(pieces)), lengths)
+    return rows.to(device), tokens.to(device)
 
 
 def has_controls(metadata: SamplingMetadata) -> bool:

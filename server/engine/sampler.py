@@ -30,7 +30,7 @@ import xgrammar as xgr
 
 from loraplex.server.engine.controls import apply_controls, build_controls, has_controls
 from loraplex.server.engine.request import Request, TokenLogprob
-from loraplex.server.engine.truncation import Support, truncate
+from loraplex.server.engine.truncation import Support, top_n, truncate
 
 
 @dataclass(frozen=True)
@@ -309,14 +309,22 @@ def _logprobs(logits: torch.Tensor, metadata: SamplingMetadata, token_ids: list[
     wanted = [i for i, n in enumerate(metadata.logprobs) if n is not None and i not in failed_rows]
     if not wanted:
         return out
-    lp = torch.log_softmax(logits[wanted], dim=-1)  # [len(wanted), vocab]
+    dev = logits.device
+    rows = logits if len(wanted) == logits.shape[0] else logits[torch.tensor(wanted, device=dev)]
+    buffer = _SCRATCH.get("logprobs", len(wanted), rows.shape[1], dev)
+    lp = torch.log_softmax(rows, -1, out=buffer)  # [W, V]
+    chosen = lp.gather(1, torch.tensor([token_ids[i] for i in wanted], device=dev)[:, None])
+    chosen_lp = chosen[:, 0].tolist()
+    num_top = max(metadata.logprobs[i] or 0 for i in wanted)
+    tops: list[list[tuple[int, float]]] = [[] for _ in wanted]
+    if num_top:
+        # One batched search for every row's top n (each row cut to its own n), in the
+        # order a stable sort gives: more likely first, the lower token id among ties.
+        values, ids = top_n(lp, min(num_top, lp.shape[-1]))
+        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
     for row, i in enumerate(wanted):
         n = metadata.logprobs[i] or 0
-        top: tuple[tuple[int, float], ...] = ()
-        if n:
-            values, ids = lp[row].topk(n)
-            top = tuple(zip(ids.tolist(), values.tolist()))
-        out[i] = TokenLogprob(token_ids[i], float(lp[row, token_ids[i]]), top)
+        out[i] = TokenLogprob(token_ids[i], chosen_lp[row], tuple(tops[row][:n]))
     return out
 
 

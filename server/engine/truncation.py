@@ -119,6 +119,31 @@ def top_groups(values: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor
     return ids, top.values[:, -1], group_max
 
 
+def top_n(values: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``n`` largest of each row of ``values`` ``[M, V]`` (``n <= V``) as ``(values,
+    ids)`` ``[M, n]``: largest first, the lower token id first among equal values (as a
+    stable sort orders them), found among the candidates of ``top_groups``; a row whose
+    n-th value ties across more groups than were searched is sorted whole."""
+    vocab = values.shape[-1]
+    ids, _, group_max = top_groups(values, n)
+    nth = values.gather(1, ids).topk(n, dim=-1).values[:, -1:]  # [M, 1]
+    # Every token at least nth is a candidate (a row of NaN is sorted whole, too).
+    inside = ((group_max >= nth).sum(-1) <= n) & ~nth[:, 0].isnan()
+    if not bool(inside.all()):
+        out = (~inside).nonzero()[:, 0]
+        ids = ids.clone()
+        ids[out] = vocab  # padding: these rows are sorted whole below
+    cand = ids.sort(-1).values  # ascending ids: the stable sort keeps equal values in id order
+    picked = values.gather(1, cand.clamp(max=vocab - 1)).masked_fill(cand == vocab,
+                                                                      float("-inf"))
+    top_values, order = picked.sort(dim=-1, descending=True, stable=True)
+    top_values, top_ids = top_values[:, :n], cand.gather(1, order[:, :n])
+    if not bool(inside.all()):
+        whole = values[out].sort(dim=-1, descending=True, stable=True)
+        top_values[out], top_ids[out] = whole.values[:, :n], whole.indices[:, :n]
+    return top_values, top_ids
+
+
 def _rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     # Indexing copies: the whole tensor when the rows are all of it.
     return t if rows.numel() == t.shape[0] else t[rows]
