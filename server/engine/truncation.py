@@ -298,22 +298,29 @@ def _cut_top_p(scaled: torch.Tensor, top_p: torch.Tensor, support: Support | Non
 
 def _cut_min_p(probs: torch.Tensor, min_p: torch.Tensor, support: Support | None) -> None:
     """Zero every probability of ``probs`` ``[N, V]`` below ``min_p`` ``[N]`` times its row's
-    largest, then renormalise every row (a row with ``min_p`` 0 too), in place."""
+    largest and renormalise the row, in place, on the rows whose ``min_p`` is above 0 (the
+    others are left as they are, so a row's probabilities do not depend on its batch)."""
     vocab = probs.shape[-1]
-    has = support.rows if support is not None else torch.zeros(
-        probs.shape[0], dtype=torch.bool, device=probs.device)
+    cut = min_p > 0
+    has = cut & support.rows if support is not None else torch.zeros_like(cut)
     if support is not None and bool(has.any()):
         r = has.nonzero()[:, 0]
         ids = _rows(support.ids, r)  # [M, K]
         valid = ids < vocab
-        p = probs[r[:, None], ids.clamp(max=vocab - 1)].masked_fill(~valid, 0.0)
-        # Only the support is nonzero, so its largest is the row's.
+        safe = ids.clamp(max=vocab - 1)
+        p = probs[r[:, None], safe].masked_fill(~valid, 0.0)
+        # Only the support is nonzero: its largest is the row's, and so is its renormalised
+        # row (every other entry stays 0, as 0 / sum is).
         floor = min_p[r, None] * p.amax(-1, keepdim=True)
-        rr, c = (valid & (p < floor)).nonzero(as_tuple=True)
-        probs[r[rr], ids[rr, c]] = 0.0
-    if not bool(has.all()):
-        r = (~has).nonzero()[:, 0]
-        dense = probs[r]
-        floor = min_p[r, None] * dense.amax(-1, keepdim=True)
-        probs[r] = dense.masked_fill_(dense < floor, 0.0)
-    probs.div_(probs.sum(-1, keepdim=True))
+        p.masked_fill_(p < floor, 0.0)
+        rr, c = valid.nonzero(as_tuple=True)
+        probs[r[rr], ids[rr, c]] = p[rr, c]
+        total = _rows(probs, r).sum(-1, keepdim=True)  # the full row's sum, as dense does it
+        probs[r[rr], ids[rr, c]] = p[rr, c] / total[rr, 0]
+    dense = cut & ~has
+    if bool(dense.any()):
+        r = dense.nonzero()[:, 0]
+        rows = probs[r]
+        floor = min_p[r, None] * rows.amax(-1, keepdim=True)
+        rows.masked_fill_(rows < floor, 0.0)
+        probs[r] = rows.div_(rows.sum(-1, keepdim=True))
