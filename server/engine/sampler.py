@@ -9,8 +9,9 @@ The one seam that structured output (an allowed-token bitmask), speculative deco
    allowed-token bitmask (masked tokens -inf): the same few tensor ops for every row, a row
    that asks for nothing getting neutral values.
 2. Greedy rows take the argmax; the others are scaled by their temperature, cut to their top-k,
-   top-p and min-p sets, and turned into probabilities: a few tensor ops for the whole batch,
-   whatever the mix of parameters.
+   top-p and min-p sets (``truncation.py``: what a full stable sort of each row keeps, found
+   among a few hundred candidates per row), and turned into probabilities: a few tensor ops
+   for the whole batch, whatever the mix of parameters.
 3. Only the random number is per row: one uniform draw from the row's own ``torch.Generator``
    (a CPU generator), then one batched inverse-CDF search over every row's final
    probabilities, so a seeded request draws the same tokens alone or in any batch, on any
