@@ -243,9 +243,9 @@ def _cut_top_p(scaled: torch.Tensor, top_p: torch.Tensor, support: Support | Non
         if not bool(pending.any()):
             break
         r = pending.nonzero()[:, 0]
-        if level == "support":
-            r = (pending & support.rows[rows]).nonzero()[:, 0] if support is not None else r
-            cand = _rows(support.ids, rows[r]) if support is not None else r
+        if level == "support" and support is not None:
+            r = (pending & support.rows[rows]).nonzero()[:, 0]
+            cand = _rows(support.ids, rows[r])
             bound = torch.zeros(r.numel(), device=dev)  # outside the support: -inf, p 0
         elif level == "groups" and TOP_P_GROUPS * GROUP < vocab:
             cand, bound, _ = top_groups(_rows(probs, r), TOP_P_GROUPS)
