@@ -225,20 +225,24 @@ def _probabilities(logits: torch.Tensor, metadata: SamplingMetadata, index: torc
                     min_p, out=_SCRATCH.get("probs", num_drawn, vocab, dev))
 
 
+# 64 MiB of float32 per buffer (three per thread): batch 64 at a 256k vocabulary.
+SCRATCH_MAX_ELEMENTS = 16 * 1024 * 1024
+
+
 class _Scratch(threading.local):
     """Per-thread ``[R, V]`` float32 buffers the sampler reuses from call to call on CPU.
 
     A fresh 12 MB tensor each step can pay its page faults again (milliseconds on a loaded
     host: glibc hands large blocks back to the kernel); nothing ``sample`` returns is one of
-    these. Each grows to the largest batch seen; on other devices the caching allocator does
-    this already, so they are plain allocations there.
+    these. Each grows to the largest batch seen, up to ``SCRATCH_MAX_ELEMENTS`` (larger ones
+    are plain allocations, as on other devices, where the caching allocator does this).
     """
 
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
 
     def get(self, name: str, rows: int, cols: int, device: torch.device) -> torch.Tensor:
-        if device.type != "cpu":
+        if device.type != "cpu" or rows * cols > SCRATCH_MAX_ELEMENTS:
             return torch.empty(rows, cols, dtype=torch.float32, device=device)
         buffer = self.buffers.get(name)
         if buffer is None or buffer.numel() < rows * cols:
