@@ -13,8 +13,10 @@ also KV + cached prefix pages), and the ratios shared / separate, against the is
 Then the sampler's cost per decode step at batch 64 with every control on (penalties, logit
 bias, min-p, min-tokens, top-k/top-p, seeded draws): the median time of ``sample`` (metadata
 built from the running requests, logits of the model's vocabulary) against the median decode
-step of the same 64 requests (target: at most 10%). ``--sampler-only`` measures only that
-(``--model smollm2 --sampler-only`` on the real vocabulary and depth).
+step of the same 64 requests (target: at most 10%), in this thread's CPU time and in wall
+time; ``--sampler-baseline REV`` times commit REV's sampler on the same rows, interleaved.
+``--sampler-only`` measures only that (``--model smollm2 --sampler-only`` on the real
+vocabulary and depth).
 
 Usage: ``python benchmarks/parallel_sampling_bench.py --model PATH --out bench-out/parallel``
 (defaults are the issue's trace; without ``--model`` a random Llama of the engine benchmark's
@@ -33,22 +35,25 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 from common import BENCH_HF_CONFIG, build_model, machine_info  # noqa: E402
+from sampler_bench import load_sampler  # noqa: E402
 
 from loraplex.adapter_store.directory_source import DirectoryAdapterSource  # noqa: E402
 from loraplex.server import env  # noqa: E402
 from loraplex.server.commands import write_demo_adapter  # noqa: E402
 from loraplex.server.config import EngineConfig, SchedulerConfig  # noqa: E402
+from loraplex.server.engine import engine as engine_module  # noqa: E402
 from loraplex.server.engine.engine import Engine  # noqa: E402
 from loraplex.server.engine.models.builtin import resolve_model_path  # noqa: E402
 from loraplex.server.engine.models.config import ModelConfig  # noqa: E402
 from loraplex.server.engine.request import SamplingParams  # noqa: E402
-from loraplex.server.engine.sampler import SamplingMetadata, sample  # noqa: E402
+from loraplex.server.engine.sampler import SamplingMetadata  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sampler-batch", type=int, default=64)
     p.add_argument("--sampler-only", action="store_true",
                    help="only the sampler's cost per decode step (no parallel-sampling trace)")
+    p.add_argument("--sampler-baseline", default=None, metavar="REV",
+                   help="a commit whose sampler is timed too, interleaved with this tree's")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="directory for the JSON")
@@ -125,7 +132,14 @@ def run(engine: Engine, trace: list[dict], n: int, shared: bool) -> dict:
 
 
 def sampler_cost(args: argparse.Namespace, model: Path) -> dict:
-    """Median ``sample`` time (every control on) against the median decode step, batch B."""
+    """Median ``sample`` time (every control on) against the median decode step, batch B.
+
+    Times are this thread's CPU time (the engine runs in it, on ``--threads`` torch threads:
+    with one, a loaded host's other jobs do not count) and wall time. The engine's own call
+    of the sampler is timed too, so the step without it (``rest``) is known and each
+    sampler's share is ``sampler / (rest + sampler)``; ``--sampler-baseline REV`` times
+    commit REV's sampler on the same rows at every step, interleaved with this tree's.
+    """
     batch = args.sampler_batch
     engine = Engine(EngineConfig(model=str(model), dtype=args.dtype, device=args.device,
                                  num_pages=args.num_pages,
@@ -139,27 +153,67 @@ def sampler_cost(args: argparse.Namespace, model: Path) -> dict:
             min_tokens=24, logit_bias={rng.randrange(vocab): 5.0 for _ in range(16)},
             ignore_eos=True)
         engine.add_request(f"s{i}", [rng.randrange(vocab) for _ in range(64)], params)
+    variants: dict[str, Any] = {"this tree": sys.modules[SamplingMetadata.__module__]}
+    if args.sampler_baseline:
+        variants = {f"baseline {args.sampler_baseline}": load_sampler(args.sampler_baseline),
+                    **variants}
+    inner: list[float] = []  # CPU time of the engine's own sampler calls in this step
+    own = getattr(engine_module, "sample", None)
+
+    def timed_sample(logits: torch.Tensor, metadata: Any) -> Any:
+        start = time.thread_time()
+        out = own(logits, metadata)
+        inner.append(time.thread_time() - start)
+        return out
+
+    if own is not None:
+        engine_module.sample = timed_sample
     engine.step()  # the prefills
-    steps, samples = [], []
+    steps, steps_cpu, rests = [], [], []
+    wall: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}
     logits = torch.randn(batch, vocab, device=engine.device)
-    while engine.has_unfinished():
-        running = list(engine.scheduler.running)
-        decode = len(running) == batch
-        t0 = time.perf_counter()
-        engine.step()
-        if decode:
+    try:
+        while engine.has_unfinished():
+            running = list(engine.scheduler.running)
+            decode = len(running) == batch
+            inner.clear()
+            t0, c0 = time.perf_counter(), time.thread_time()
+            engine.step()
+            if not decode:
+                continue
             steps.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            meta = SamplingMetadata.from_requests(running, vocab, engine.eos_token_ids,
-                                                  engine.device)
-            out = sample(logits, meta)
-            if engine.device.type == "cuda":
-                torch.cuda.synchronize()
-            samples.append(time.perf_counter() - t0)
-            del out
-    step, sampler = statistics.median(steps), statistics.median(samples)
-    return {"batch": batch, "median_step_s": step, "median_sample_s": sampler,
-            "sampler_share_of_step": sampler / step, "target": 0.10}
+            steps_cpu.append(time.thread_time() - c0)
+            rests.append(steps_cpu[-1] - sum(inner))
+            order = list(variants.items())
+            for name, module in (order if len(steps) % 2 else order[::-1]):
+                t0, c0 = time.perf_counter(), time.thread_time()
+                meta = module.SamplingMetadata.from_requests(running, vocab,
+                                                             engine.eos_token_ids, engine.device)
+                out = module.sample(logits, meta)
+                if engine.device.type == "cuda":
+                    torch.cuda.synchronize()
+                cpu[name].append(time.thread_time() - c0)
+                wall[name].append(time.perf_counter() - t0)
+                del out
+    finally:
+        if own is not None:
+            engine_module.sample = own
+    step, step_cpu = statistics.median(steps), statistics.median(steps_cpu)
+    rest = statistics.median(rests) if own is not None else None
+    result: dict[str, Any] = {"batch": batch, "median_step_s": step,
+                              "median_step_cpu_s": step_cpu, "median_rest_cpu_s": rest,
+                              "target": 0.10, "samplers": {}}
+    for name in variants:
+        s_wall, s_cpu = statistics.median(wall[name]), statistics.median(cpu[name])
+        base = rest if rest is not None else step_cpu - s_cpu
+        result["samplers"][name] = {"median_sample_s": s_wall, "median_sample_cpu_s": s_cpu,
+                                    "share_cpu": s_cpu / (base + s_cpu)}
+    mine = result["samplers"]["this tree"]
+    result["median_sample_s"] = mine["median_sample_s"]
+    result["sampler_share_of_step"] = mine["median_sample_s"] / step  # wall, as before
+    result["sampler_share_of_step_cpu"] = mine["share_cpu"]
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,9 +259,14 @@ def main(argv: list[str] | None = None) -> int:
                         del r["tokens"]
                     results.append(row)
     cost = sampler_cost(args, model)
-    print(f"sampler at batch {cost['batch']}, every control on: "
-          f"{cost['median_sample_s'] * 1e3:.2f} ms of a {cost['median_step_s'] * 1e3:.1f} ms "
-          f"decode step ({cost['sampler_share_of_step']:.1%}; target <= 10%)")
+    rest = cost["median_rest_cpu_s"]
+    print(f"decode step at batch {cost['batch']}: {cost['median_step_s'] * 1e3:.1f} ms wall, "
+          f"{cost['median_step_cpu_s'] * 1e3:.1f} ms CPU"
+          + ("" if rest is None else f" ({rest * 1e3:.1f} ms CPU without its sampler call)"))
+    for name, s in cost["samplers"].items():
+        print(f"{name}: sampler at batch {cost['batch']}, every control on: "
+              f"{s['median_sample_s'] * 1e3:.2f} ms wall, {s['median_sample_cpu_s'] * 1e3:.2f} ms "
+              f"CPU: {s['share_cpu']:.1%} of the step's CPU time (target <= 10%)")
     report = {"machine": machine_info(args.threads), "args": {
         k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "runs": results, "sampler": cost}

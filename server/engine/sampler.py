@@ -9,8 +9,9 @@ The one seam that structured output (an allowed-token bitmask), speculative deco
    allowed-token bitmask (masked tokens -inf): the same few tensor ops for every row, a row
    that asks for nothing getting neutral values.
 2. Greedy rows take the argmax; the others are scaled by their temperature, cut to their top-k,
-   top-p and min-p sets, and turned into probabilities: a few tensor ops for the whole batch,
-   whatever the mix of parameters.
+   top-p and min-p sets (``truncation.py``: what a full stable sort of each row keeps, found
+   among a few hundred candidates per row), and turned into probabilities: a few tensor ops
+   for the whole batch, whatever the mix of parameters.
 3. Only the random number is per row: one uniform draw from the row's own ``torch.Generator``
    (a CPU generator), then one batched inverse-CDF search over every row's final
    probabilities, so a seeded request draws the same tokens alone or in any batch, on any
@@ -21,14 +22,16 @@ The one seam that structured output (an allowed-token bitmask), speculative deco
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 import xgrammar as xgr
 
-from loraplex.server.engine.controls import apply_controls, build_controls
+from loraplex.server.engine.controls import apply_controls, build_controls, has_controls
 from loraplex.server.engine.request import Request, TokenLogprob
+from loraplex.server.engine.truncation import Support, top_n, truncate
 
 
 @dataclass(frozen=True)
@@ -47,19 +50,25 @@ class SamplingMetadata:
         logprobs: ``[R]`` None for no logprobs; n: the chosen token's and the top n.
         min_p: ``[R]`` float32 or None; drop tokens below ``min_p`` times the row's top
             probability.
-        logit_bias: ``[R, V]`` float32 or None, added to the logits after the penalties.
-        repetition_penalty: ``[R]`` float32 or None (1.0: none), on ``seen_tokens``.
-        seen_tokens: ``[R, V]`` bool, the tokens of each row's prompt and output (set with
-            ``repetition_penalty``).
-        frequency_penalty / presence_penalty: ``[R]`` float32 or None (0.0: none), on
-            ``output_token_counts``.
-        output_token_counts: ``[R, V]`` float32, how often each row generated each token (set
-            with the two penalties).
-        seen_positions / count_positions: ``(rows, tokens)`` int64 or None, the entries of
-            ``seen_tokens`` / ``output_token_counts`` that are set (repeats allowed), so the
-            penalties touch only them; None: found from the table (replace them together).
-        blocked_tokens: ``[R, V]`` bool or None, tokens masked for this step (EOS and stop
-            tokens of a row that has not reached its ``min_tokens``).
+        logit_bias: ``[R, V]`` float32 or None, added to the logits after the penalties (a
+            caller's dense table; ``from_requests`` fills ``bias_positions`` instead).
+        bias_positions / bias_values: ``(rows, tokens)`` int64 and ``[P]`` float32 or None,
+            each row's logit bias entries (a token at most once per row).
+        repetition_penalty: ``[R]`` float32 or None (1.0: none), on ``seen_positions``.
+        seen_positions: ``(rows, tokens)`` int64 or None, the tokens of each row's prompt and
+            output (repeats allowed; set with ``repetition_penalty``).
+        seen_tokens: ``[R, V]`` bool or None, the same as a table (used when
+            ``seen_positions`` is None).
+        frequency_penalty / presence_penalty: ``[R]`` float32 or None (0.0: none), on the
+            generated tokens' counts.
+        count_positions / count_values: ``(rows, tokens)`` int64 and ``[P]`` float32 or None,
+            each ``(row, token)`` a row generated, once, with how often it did.
+        output_token_counts: ``[R, V]`` float32 or None, the counts as a table (used when
+            ``count_values`` is None; ``count_positions`` then names its nonzero entries,
+            repeats allowed, or None: found from the table).
+        blocked_positions: ``(rows, tokens)`` int64 or None, tokens masked for this step (EOS
+            and stop tokens of a row that has not reached its ``min_tokens``).
+        blocked_tokens: ``[R, V]`` bool or None, the same as a table.
         allowed_token_bitmask: ``[R, ceil(V / 32)]`` int32 or None; bit ``j`` of word ``w``
             set means token ``32 * w + j`` is allowed (a row of -1 allows every token).
         return_probs: return the final probabilities of every row (speculative verification).
@@ -85,6 +94,10 @@ class SamplingMetadata:
     blocked_tokens: torch.Tensor | None = None
     seen_positions: tuple[torch.Tensor, torch.Tensor] | None = None
     count_positions: tuple[torch.Tensor, torch.Tensor] | None = None
+    count_values: torch.Tensor | None = None
+    bias_positions: tuple[torch.Tensor, torch.Tensor] | None = None
+    bias_values: torch.Tensor | None = None
+    blocked_positions: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -154,14 +167,17 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
     if num_rows != metadata.num_rows:
         raise ValueError(f"logits: {num_rows} rows for {metadata.num_rows} rows of metadata")
     raw = logits
-    logits = apply_controls(logits, metadata)
+    greedy = metadata.greedy.tolist()
+    drawn = [i for i in range(num_rows) if not greedy[i]]
+    if drawn or has_controls(metadata) or metadata.allowed_token_bitmask is not None:
+        # This call's working copy: the controls, the mask and the temperature go in place.
+        logits = apply_controls(raw, metadata,
+                                out=_SCRATCH.get("logits", num_rows, vocab, raw.device))
     if metadata.allowed_token_bitmask is not None:
         logits = apply_bitmask(logits, raw, metadata.allowed_token_bitmask)
     # A row is unusable if it holds NaN or +inf, or masks every token: its maximum (which
     # propagates NaN) is then not finite. One reduction, not a pass per condition.
     failed = ~logits.amax(-1).isfinite()  # [R]
-    greedy = metadata.greedy.tolist()
-    drawn = [i for i in range(num_rows) if not greedy[i]]
     # The argmax is the token of greedy rows only (a failed row's token is unspecified).
     token_ids = [0] * num_rows
     greedy_rows = [i for i in range(num_rows) if greedy[i]]
@@ -176,110 +192,119 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
     failed_rows = set(torch.nonzero(failed.cpu()).flatten().tolist())
     if drawn:
         index = torch.tensor(drawn, device=logits.device)
-        probs = _probabilities(logits, metadata, index, len(drawn) == num_rows)  # [N, V]
-        total = probs.sum(-1)  # a non-finite probability makes it non-finite
-        bad = (~(total.isfinite() & (total > 0))).tolist()  # [N]
+        probs, support = _probabilities(logits, metadata, index, len(drawn) == num_rows)
         # Inverse-CDF draws: one uniform number per row from the row's own (CPU) generator,
         # so a seeded row draws the same alone or in any batch, on any device; the search
         # is one batched op (a zero-probability token is never found: its CDF step is empty).
         uniform = torch.tensor([draw_uniform(metadata.generators[i]) for i in drawn],
                                dtype=torch.float64, device=probs.device)  # [N]
-        picks = _inverse_cdf(probs, uniform).tolist()
+        picks, usable = _draw(probs, support, uniform)
+        chosen, bad = picks.tolist(), (~usable).tolist()
         for row, i in enumerate(drawn):
             if i in failed_rows or bad[row]:
                 failed_rows.add(i)
             else:
-                token_ids[i] = picks[row]
+                token_ids[i] = chosen[row]
         if probs_out is not None:
             probs_out[index.cpu()] = probs.cpu()
     logprobs = _logprobs(raw, metadata, token_ids, failed_rows)
     return SamplerOutput(token_ids, logprobs, probs_out, tuple(sorted(failed_rows)))
 
 
-def _probabilities(logits: torch.Tensor, metadata: SamplingMetadata,
-                   index: torch.Tensor, all_rows: bool = False) -> torch.Tensor:
-    """``[R, V]`` logits -> the final probabilities ``[N, V]`` of the drawn rows ``index`` (on
-    the logits' device; ``all_rows``: ``index`` is every row, so no gather)."""
-    vocab = logits.shape[-1]
-    temperature = metadata.temperature.to(index.device)[index, None]
-    # One fresh [N, V] buffer, then every cut in place on it.
-    scaled = logits / temperature if all_rows else logits[index].div_(temperature)
-    top_k = metadata.top_k.to(index.device)[index]
-    cut_k = (top_k > 0) & (top_k < vocab)  # [N]
-    if bool(cut_k.any()):
-        # The k-th largest value of each row (topk of the largest k asked, not a sort of the
-        # vocabulary); ties with it stay, as topk's cut would keep them. A row without a cut
-        # compares with -inf, which nothing is below.
-        k_max = int(top_k[cut_k].max())
-        kth = scaled.topk(k_max, dim=-1).values.gather(
-            1, (top_k.clamp(1, k_max) - 1)[:, None])  # [N, 1]
-        kth.masked_fill_(~cut_k[:, None], float("-inf"))
-        scaled.masked_fill_(scaled < kth, float("-inf"))
-    top_p = metadata.top_p.to(index.device)[index]
-    cut_p = top_p < 1.0  # [N]
-    if bool(cut_p.all()):
-        scaled = _top_p_cut(scaled, top_p)
-    elif bool(cut_p.any()):
-        rows = cut_p.nonzero().flatten()
-        scaled[rows] = _top_p_cut(scaled[rows], top_p[rows])
-    probs = scaled.softmax(-1)
-    if metadata.min_p is not None:
-        min_p = metadata.min_p.to(index.device)[index]
-        floor = min_p[:, None] * probs.amax(-1, keepdim=True)
-        probs.masked_fill_(probs < floor, 0.0)
-        probs.div_(probs.sum(-1, keepdim=True))
-    return probs
+def _probabilities(logits: torch.Tensor, metadata: SamplingMetadata, index: torch.Tensor,
+                   all_rows: bool = False) -> tuple[torch.Tensor, Support | None]:
+    """``[R, V]`` logits (this call's working copy, overwritten) -> the final probabilities
+    ``[N, V]`` of the drawn rows ``index`` (on the logits' device) and the support of the rows
+    a cut left few tokens (``all_rows``: ``index`` is every row)."""
+    dev = index.device
+    temperature = metadata.temperature.to(dev)[index, None]
+    scaled = logits.div_(temperature) if all_rows else logits[index].div_(temperature)
+    num_drawn, vocab = scaled.shape
+    min_p = metadata.min_p.to(dev)[index] if metadata.min_p is not None else None
+    return truncate(scaled, metadata.top_k.to(dev)[index], metadata.top_p.to(dev)[index],
+                    min_p, out=_SCRATCH.get("probs", num_drawn, vocab, dev))
 
 
-def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """``[N, V]`` probabilities, ``[N]`` float64 uniforms -> ``[N]`` the token of each row
-    whose float64 CDF step holds ``uniform * total`` (``V - 1`` past the end).
+# 64 MiB of float32 per buffer (three per thread): batch 64 at a 256k vocabulary.
+SCRATCH_MAX_ELEMENTS = 16 * 1024 * 1024
 
-    Only the tokens of nonzero probability enter the CDF, packed to the left of an ``[N, K]``
-    table in token order (K: the most any row has, after the cuts a few hundred, not V): a
-    zero adds nothing to a running sum, so each partial sum is the full CDF's, bit for bit.
+
+class _Scratch(threading.local):
+    """Per-thread ``[R, V]`` float32 buffers the sampler reuses from call to call on CPU.
+
+    A fresh 12 MB tensor each step can pay its page faults again (milliseconds on a loaded
+    host: glibc hands large blocks back to the kernel); nothing ``sample`` returns is one of
+    these. Each grows to the largest batch seen, up to ``SCRATCH_MAX_ELEMENTS`` (larger ones
+    are plain allocations, as on other devices, where the caching allocator does this).
     """
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, rows: int, cols: int, device: torch.device) -> torch.Tensor:
+        if device.type != "cpu" or rows * cols > SCRATCH_MAX_ELEMENTS:
+            return torch.empty(rows, cols, dtype=torch.float32, device=device)
+        buffer = self.buffers.get(name)
+        if buffer is None or buffer.numel() < rows * cols:
+            buffer = self.buffers[name] = torch.empty(rows * cols, dtype=torch.float32)
+        return buffer[:rows * cols].view(rows, cols)
+
+
+_SCRATCH = _Scratch()
+
+
+def _draw(probs: torch.Tensor, support: Support | None, uniform: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, V]`` probabilities, ``[N]`` float64 uniforms -> ``([N]`` tokens, ``[N]`` bool
+    rows whose probabilities sum to a finite positive number): each row's token by
+    ``_inverse_cdf`` over its support where it has one, else over its nonzero entries."""
     num_rows, vocab = probs.shape
-    rows, tokens = (probs > 0).nonzero(as_tuple=True)  # row-major: token order in each row
-    counts = torch.bincount(rows, minlength=num_rows)
-    width = max(int(counts.max()) if rows.numel() else 0, 1)
-    starts = counts.cumsum(0) - counts
-    slots = torch.arange(rows.numel(), device=probs.device) - starts[rows]
-    packed = torch.zeros(num_rows, width, dtype=torch.float64, device=probs.device)
-    packed[rows, slots] = probs[rows, tokens].double()
-    ids = torch.full((num_rows, width + 1), vocab - 1, dtype=torch.int64, device=probs.device)
-    ids[rows, slots] = tokens
-    cdf = packed.cumsum(-1)  # [N, K]
+    tokens = torch.empty(num_rows, dtype=torch.int64, device=probs.device)
+    usable = torch.empty(num_rows, dtype=torch.bool, device=probs.device)
+    has = support.rows if support is not None else torch.zeros(
+        num_rows, dtype=torch.bool, device=probs.device)
+    if support is not None and bool(has.any()):
+        rows = has.nonzero()[:, 0]
+        ids = support.ids[rows]  # [M, K], ascending
+        valid = ids < vocab
+        packed = probs[rows[:, None], ids.clamp(max=vocab - 1)].masked_fill(~valid, 0.0)
+        # Outside the support every probability is zero, so the support's sum is finite and
+        # positive exactly when the row's is.
+        total = packed.sum(-1)
+        usable[rows] = total.isfinite() & (total > 0)
+        tokens[rows] = _inverse_cdf(packed, ids.masked_fill(~valid, vocab - 1), uniform[rows],
+                                    vocab)
+    if not bool(has.all()):
+        rows = (~has).nonzero()[:, 0]
+        dense = probs[rows]
+        total = dense.sum(-1)  # a non-finite probability makes it non-finite
+        usable[rows] = total.isfinite() & (total > 0)
+        r, t = (dense > 0).nonzero(as_tuple=True)  # row-major: token order in each row
+        counts = torch.bincount(r, minlength=rows.numel())
+        width = max(int(counts.max()) if r.numel() else 0, 1)
+        slots = torch.arange(r.numel(), device=probs.device) - (counts.cumsum(0) - counts)[r]
+        packed = torch.zeros(rows.numel(), width, dtype=probs.dtype, device=probs.device)
+        packed[r, slots] = dense[r, t]
+        ids = torch.full((rows.numel(), width), vocab - 1, dtype=torch.int64,
+                         device=probs.device)
+        ids[r, slots] = t
+        tokens[rows] = _inverse_cdf(packed, ids, uniform[rows], vocab)
+    return tokens, usable
+
+
+def _inverse_cdf(packed: torch.Tensor, ids: torch.Tensor, uniform: torch.Tensor, vocab: int
+                 ) -> torch.Tensor:
+    """``[N, K]`` probabilities of the tokens ``ids`` ``[N, K]`` (ascending per row; every
+    other token of the row has probability zero), ``[N]`` float64 uniforms -> ``[N]`` the
+    token whose float64 CDF step holds ``uniform * total`` (the last token past the end).
+
+    A zero adds nothing to a running sum, so every partial sum over the packed tokens is the
+    full row's CDF, bit for bit, and a zero's empty step is never found.
+    """
+    cdf = packed.double().cumsum(-1)  # [N, K]
     found = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)  # [N, 1]
-    return ids.gather(1, found)[:, 0]
-
-
-# Top-p looks for its cut among each row's most likely tokens first: a sort of the whole
-# vocabulary costs tens of times more, and only rows whose nucleus is not inside them need it.
-TOP_P_CANDIDATES = 1024
-
-
-def _top_p_cut(scaled: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """``[M, V]`` logits -> the same with every token outside the row's nucleus at -inf: a
-    token stays while the tokens more likely than it hold less than ``top_p`` (the first
-    always stays)."""
-    probs = scaled.softmax(-1)  # [M, V]
-    keep = torch.zeros_like(probs, dtype=torch.bool)
-    cand_p, cand_ids = probs.topk(min(TOP_P_CANDIDATES, probs.shape[-1]), dim=-1)  # [M, C]
-    before = cand_p.cumsum(-1) - cand_p
-    # When the candidates hold top_p, every other token has at least that much before it.
-    inside = cand_p.sum(-1) >= top_p  # [M]
-    if bool(inside.all()):
-        keep.scatter_(1, cand_ids, before < top_p[:, None])
-    elif bool(inside.any()):
-        keep[inside] = keep[inside].scatter(1, cand_ids[inside],
-                                            before[inside] < top_p[inside, None])
-    if not bool(inside.all()):
-        outside = ~inside
-        sorted_p, order = probs[outside].sort(dim=-1, descending=True)
-        keep[outside] = keep[outside].scatter(
-            1, order, sorted_p.cumsum(-1) - sorted_p < top_p[outside, None])
-    return scaled.masked_fill_(~keep, float("-inf"))
+    past = torch.cat([ids, ids.new_full((ids.shape[0], 1), vocab - 1)], 1)  # [N, K + 1]
+    return past.gather(1, found)[:, 0]
 
 
 def _logprobs(logits: torch.Tensor, metadata: SamplingMetadata, token_ids: list[int],
@@ -289,14 +314,22 @@ def _logprobs(logits: torch.Tensor, metadata: SamplingMetadata, token_ids: list[
     wanted = [i for i, n in enumerate(metadata.logprobs) if n is not None and i not in failed_rows]
     if not wanted:
         return out
-    lp = torch.log_softmax(logits[wanted], dim=-1)  # [len(wanted), vocab]
+    dev = logits.device
+    rows = logits if len(wanted) == logits.shape[0] else logits[torch.tensor(wanted, device=dev)]
+    buffer = _SCRATCH.get("logprobs", len(wanted), rows.shape[1], dev)
+    lp = torch.log_softmax(rows, -1, out=buffer)  # [W, V]
+    chosen = lp.gather(1, torch.tensor([token_ids[i] for i in wanted], device=dev)[:, None])
+    chosen_lp = chosen[:, 0].tolist()
+    num_top = max(metadata.logprobs[i] or 0 for i in wanted)
+    tops: list[list[tuple[int, float]]] = [[] for _ in wanted]
+    if num_top:
+        # One batched search for every row's top n (each row cut to its own n), in the
+        # order a stable sort gives: more likely first, the lower token id among ties.
+        values, ids = top_n(lp, min(num_top, lp.shape[-1]))
+        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
     for row, i in enumerate(wanted):
         n = metadata.logprobs[i] or 0
-        top: tuple[tuple[int, float], ...] = ()
-        if n:
-            values, ids = lp[row].topk(n)
-            top = tuple(zip(ids.tolist(), values.tolist()))
-        out[i] = TokenLogprob(token_ids[i], float(lp[row, token_ids[i]]), top)
+        out[i] = TokenLogprob(token_ids[i], chosen_lp[row], tuple(tops[row][:n]))
     return out
 
 
