@@ -263,7 +263,7 @@ class Engine:
                                  adapter_digest=adapter_digest, tenant=tenant,
                                  generator=torch.Generator().manual_seed((seed + i) % 2**63),
                                  group_id=request_id if params.n > 1 else "", index=i))
-        if params.structured is not None:  # n == 1 (SamplingParams refuses n > 1 with it)
+        if params.structured is not None:  # sequences 1..n-1 get theirs when they fork
             if self.grammars is None:
                 raise ValueError("structured: this model has no tokenizer to compile the "
                                  "grammar against")
@@ -379,6 +379,9 @@ class Engine:
             children = self._unforked.pop(req.request_id, None)
             if children:
                 self.scheduler.fork(req, children)
+                if req.grammar is not None:  # each sequence its own matcher
+                    for child in children:
+                        child.grammar = req.grammar.fork_for(req, child)
                 rows.extend([i] * len(children))
                 sampling.extend(children)
         if not rows:

@@ -13,7 +13,9 @@ A constrained request goes through four places:
    constrained request of the batch (free rows allow every token); the sampler applies it for
    any mix of rows.
 3. ``GrammarState.accept`` advances the request's matcher with each appended token and says
-   when the grammar has terminated (the request then finishes with reason ``stop``).
+   when the grammar has terminated (the request then finishes with reason ``stop``). With
+   n > 1 each sequence forked off the prompt's first one gets its own state and matcher
+   (``GrammarState.fork_for``, from the engine where the sequences fork).
 4. Exact jump-forward (``GrammarState.forced_token``): while the grammar allows exactly one
    token, the engine appends it without a model call; the scheduler computes those tokens as
    one prefill chunk next step. The output is token for token what decoding one step per
@@ -155,6 +157,25 @@ class GrammarState:
     def _advance_utf8(self, token: int) -> None:
         if self.utf8 is not None:
             self._utf8_state = self.utf8.advance(self._utf8_state, token)
+
+    def fork_for(self, parent: Request, child: Request) -> GrammarState:
+        """The grammar state of ``child``, a sequence forked off ``parent`` (n > 1) with the
+        same outputs so far: the same compiled grammar, and its own matcher in the parent's
+        state (``GrammarMatcher.fork``, a deep copy), so the n sequences advance apart.
+
+        Raises ``ValueError`` if the parent's grammar is not compiled (children fork only
+        after their parent was scheduled, so it is)."""
+        if self.compiled is None:
+            raise ValueError(f"structured.{self.spec.kind}: forking a sequence before its "
+                             "grammar is compiled")
+        state = GrammarState(self.spec, self.timeout)
+        state.utf8, state.compiled = self.utf8, self.compiled
+        if (self._matcher is not None and self._num_preemptions == parent.num_preemptions
+                and child.output_token_ids == parent.output_token_ids):
+            state._matcher, state._utf8_state = self._matcher.fork(), self._utf8_state
+            state._num_preemptions = child.num_preemptions
+        # Otherwise the child's first use replays its own outputs through a fresh matcher.
+        return state
 
     def forced_string(self, req: Request) -> str:
         """The text the grammar forces next ("" when the next character is free)."""
