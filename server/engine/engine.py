@@ -345,6 +345,7 @@ class Engine:
             outputs.extend(self._fail_unloadable())
             self.adapters.begin_step()
         outputs.extend(self._fail_grammars())
+        outputs.extend(self._jump_at_start())
         start = time.perf_counter()  # a step's time: scheduling to its outputs
         batch = self.scheduler.schedule()
         if not batch.requests:
@@ -501,6 +502,21 @@ class Engine:
             out = replace(nxt, new_token_ids=out.new_token_ids + nxt.new_token_ids,
                           new_text=out.new_text + nxt.new_text)
         return out
+
+    def _jump_at_start(self) -> list[RequestOutput]:
+        """Jump-forward before a constrained request's first model call (n == 1): what its
+        grammar forces at the start is appended now and computed with the prompt's prefill."""
+        outputs = []
+        for req in list(self.scheduler.waiting):
+            if req.grammar is not None and req.grammar.take_start(req):
+                try:
+                    out = self._jump_forward(req, RequestOutput(req.output_id, [], "", False))
+                except Exception as exc:
+                    outputs.append(self._fail(req, f"internal error in jump-forward: {exc}"))
+                    continue
+                if out.new_token_ids:
+                    outputs.append(out)
+        return outputs
 
     def _fail_grammars(self) -> list[RequestOutput]:
         """Waiting requests whose grammar failed to compile, or compiles for too long, fail

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from loraplex.server.params import SamplingParams, StructuredOutput
-from tests.engine.test_structured import SCHEMAS, check_valid, make_engine
+from tests.engine.test_structured import SCHEMAS, check_valid, compile_all, make_engine
 from tests.engine.test_structured import setup as setup  # noqa: F401  (the fixture)
 from tests.helpers import assert_pages_idle
 
@@ -98,6 +98,7 @@ def test_n_constrained_under_preemption_and_string_mode(setup):  # noqa: F811
     requests = the_mix(adapters, 1.0, N, seed0=90)
     roomy = run_n(make_engine(model, adapters), requests)
     tight_engine = make_engine(model, adapters, num_pages=90)
+    compile_all(tight_engine, SPECS)  # all admitted at once: the most pressure
     tight = run_n(tight_engine, requests)
     assert tight_engine.scheduler.num_preemptions > 0
     string = run_n(make_engine(model, adapters, jump_forward="string"), requests)
