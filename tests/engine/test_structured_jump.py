@@ -65,3 +65,14 @@ def test_string_mode_jumps_the_opening_of_an_object(setup, merging_model):  # no
         jsonschema.validate(json.loads(text), schema)
         assert tokens[:len(opening)] == opening  # the tokenizer's own cut: `{"` merged
     assert_pages_idle(engine)
+
+
+def test_a_forced_start_longer_than_max_tokens_ends_with_length(setup):  # noqa: F811
+    model, adapters = setup
+    engine = make_engine(model, adapters)
+    spec = StructuredOutput("choice", choices=("alpha",))
+    results = run(engine, [("short", "x", SamplingParams(max_tokens=2, structured=spec), None)])
+    tokens, text, out = results["short"]
+    assert (text, out.finish_reason, len(tokens)) == ("al", "length", 2)
+    assert engine.stats().num_steps == 0  # ended before it was ever scheduled
+    assert_pages_idle(engine)
