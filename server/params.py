@@ -208,10 +208,6 @@ class SamplingParams:
                              f"(1 disables), got {rp!r}")
         if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n: must be an integer in [1, {MAX_N}], got {self.n!r}")
-        if self.n > 1 and self.structured is not None:
-            # One grammar matcher per request today; n sequences would each need their own.
-            raise ValueError("n: n > 1 with a structured-output constraint is not supported "
-                             "yet; send n requests")
         plp = self.prompt_logprobs
         if plp is not None and not (isinstance(plp, int) and 0 <= plp <= MAX_LOGPROBS):
             raise ValueError(f"prompt_logprobs: must be in [0, {MAX_LOGPROBS}], got "

@@ -266,7 +266,7 @@ class Engine:
                                  adapter_digest=adapter_digest, tenant=tenant,
                                  generator=torch.Generator().manual_seed((seed + i) % 2**63),
                                  group_id=request_id if params.n > 1 else "", index=i))
-        if params.structured is not None:  # n == 1 (SamplingParams refuses n > 1 with it)
+        if params.structured is not None:  # sequences 1..n-1 get theirs when they fork
             if self.grammars is None:
                 raise ValueError("structured: this model has no tokenizer to compile the "
                                  "grammar against")
@@ -349,6 +349,7 @@ class Engine:
         if self.parallel is not None:
             self.parallel.check()  # RankFailure: this engine cannot go on
         self._drain_inbox()
+        self.outputs.jump_at_start(self.scheduler.waiting)
         start = time.perf_counter()  # a step's time: scheduling to its outputs
         batch = self.scheduler.schedule(time.monotonic())
         for req, _ in batch.refused:
@@ -393,6 +394,10 @@ class Engine:
         for req in run.requests:
             row = run.rows_of(req)[-1]
             for seq in (req, *self.scheduler.pending_forks(req)):
+                if seq is not req and req.grammar is not None and seq.grammar is None:
+                    # Each sequence its own matcher, from sequence 0's state (before it
+                    # samples: the siblings' rows are masked by their own grammar).
+                    seq.grammar = req.grammar.fork_for(req, seq)
                 rows.append(row)
                 sampling.append(seq)
         if not rows:

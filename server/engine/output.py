@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import replace
 
 from loraplex.server.engine.batch import TokenUpdate
@@ -150,6 +151,23 @@ class OutputProcessor:
             service.num_jumped_tokens += 1
             out = self._append_forced(req, forced, out)
         return out
+
+    def jump_at_start(self, waiting: Iterable[Request]) -> None:
+        """Jump-forward before a constrained request's first model call (n == 1): what its
+        grammar forces at the start (``{"name": "``) is appended now and computed with the
+        prompt's prefill. Called before each ``schedule``: ``GrammarState.ready`` waits for
+        ``take_start``, so no request slips into its prefill first."""
+        for req in list(waiting):
+            if req.grammar is None or not req.grammar.take_start(req):
+                continue
+            try:
+                out = self._jump_forward(req, RequestOutput(req.output_id, [], "", False,
+                                                            index=req.index))
+            except Exception as exc:
+                self.fail(req, f"internal error in jump-forward: {exc}")
+                continue
+            if out.new_token_ids or out.finished:
+                self._report(out)
 
     def _append_forced(self, req: Request, token: int, out: RequestOutput) -> RequestOutput:
         nxt = self._emit(self.scheduler.accept(req, [token], [None]))

@@ -13,11 +13,15 @@ A constrained request goes through four places:
    constrained request of the batch (free rows allow every token); the sampler applies it for
    any mix of rows.
 3. ``GrammarState.accept`` advances the request's matcher with each appended token and says
-   when the grammar has terminated (the request then finishes with reason ``stop``).
+   when the grammar has terminated (the request then finishes with reason ``stop``). With
+   n > 1 each sequence forked off the prompt's first one gets its own state and matcher
+   (``GrammarState.fork_for``, from the engine where the sequences fork).
 4. Exact jump-forward (``GrammarState.forced_token``): while the grammar allows exactly one
    token, the engine appends it without a model call; the scheduler computes those tokens as
-   one prefill chunk next step. The output is token for token what decoding one step per
-   token gives, since a mask of one token leaves the sampler no choice. String mode
+   one prefill chunk next step (and what is forced at the very start, before the request's
+   first model call, with its prompt: ``GrammarState.take_start``). The output is token for
+   token what decoding one step per token gives, since a mask of one token leaves the
+   sampler no choice. String mode
    (``jump_forward = string``) first appends the whole string the grammar forces
    (``GrammarState.forced_string``), tokenized alone (``GrammarService.tokenize_forced``):
    it jumps where a BPE vocabulary offers several first tokens (``{"`` against ``{``), and its
@@ -105,11 +109,14 @@ class GrammarState:
         self._utf8_state = START
         self._matcher: Any = None
         self._num_preemptions = 0
+        self._start_taken = False
 
     @property
     def ready(self) -> bool:
-        """Compiled: the request may be scheduled."""
-        return self.compiled is not None
+        """Compiled, and its start jump-forward considered (``take_start``, which the engine
+        calls before each schedule: a request cannot slip into a prefill between the two):
+        the request may be scheduled."""
+        return self.compiled is not None and self._start_taken
 
     def poll(self, now: float) -> str | None:
         """The request's error, if its grammar failed or has compiled for too long."""
@@ -155,6 +162,38 @@ class GrammarState:
     def _advance_utf8(self, token: int) -> None:
         if self.utf8 is not None:
             self._utf8_state = self.utf8.advance(self._utf8_state, token)
+
+    def take_start(self, req: Request) -> bool:
+        """True once, when the grammar is compiled and ``req`` has neither outputs nor computed
+        tokens: the engine then jump-forwards what the grammar forces at the start (``{"name":
+        "``), which is computed with the prompt's prefill instead of one step per token.
+        False for n > 1 (the other sequences fork off sequence 0 with no outputs) and with
+        prompt logprobs (they ride with the first token, after the prefill)."""
+        if self._start_taken or self.compiled is None:
+            return False
+        self._start_taken = True
+        return (not req.output_token_ids and req.num_computed_tokens == 0
+                and req.params.n == 1 and req.params.prompt_logprobs is None)
+
+    def fork_for(self, parent: Request, child: Request) -> GrammarState:
+        """The grammar state of ``child``, a sequence forked off ``parent`` (n > 1) with the
+        same outputs so far: the same compiled grammar, and its own matcher in the parent's
+        state (``GrammarMatcher.fork``, a deep copy), so the n sequences advance apart.
+
+        Raises ``ValueError`` if the parent's grammar is not compiled (children fork only
+        after their parent was scheduled, so it is)."""
+        if self.compiled is None:
+            raise ValueError(f"structured.{self.spec.kind}: forking a sequence before its "
+                             "grammar is compiled")
+        state = GrammarState(self.spec, self.timeout)
+        state.utf8, state.compiled = self.utf8, self.compiled
+        state._start_taken = True  # it starts from sequence 0's outputs
+        if (self._matcher is not None and self._num_preemptions == parent.num_preemptions
+                and child.output_token_ids == parent.output_token_ids):
+            state._matcher, state._utf8_state = self._matcher.fork(), self._utf8_state
+            state._num_preemptions = child.num_preemptions
+        # Otherwise the child's first use replays its own outputs through a fresh matcher.
+        return state
 
     def forced_string(self, req: Request) -> str:
         """The text the grammar forces next ("" when the next character is free)."""

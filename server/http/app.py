@@ -300,7 +300,7 @@ class OpenAIApp:
                       chunks: AsyncGenerator[tuple[int, GenerateChunk], None], shape: _Shape,
                       include_usage: bool) -> AsyncIterator[dict[str, str]]:
         usages: list[Usage] = []
-        calls_text = ""
+        calls_text: dict[int, str] = {}  # by choice: with n > 1 the sequences interleave
 
         def event(obj: dict[str, Any]) -> dict[str, str]:
             if include_usage and "usage" not in obj:
@@ -318,17 +318,19 @@ class OpenAIApp:
                     i, chunk = pending
                     if chunk.usage is not None:
                         usages.append(chunk.usage)
+                    choice = i * shape.n + chunk.index
                     if shape.tools is not None:
                         # A tool call is sent whole, once its JSON is complete.
-                        calls_text += chunk.text
+                        calls_text[choice] = calls_text.get(choice, "") + chunk.text
                         if chunk.finished:
-                            for obj in shape.tool_call_deltas(shape.tools, calls_text, chunk):
+                            for obj in shape.tool_call_deltas(shape.tools, calls_text[choice],
+                                                              chunk, choice):
                                 yield event(obj)
                     # One event per step that made tokens, text or not (as vLLM does): a
                     # token whose bytes end mid-character has no text yet, but clients still
                     # see progress at the pace of the engine (and time it per token).
                     elif chunk.token_ids or chunk.text or chunk.logprobs or chunk.finished:
-                        yield event(shape.delta(i * shape.n + chunk.index, chunk))
+                        yield event(shape.delta(choice, chunk))
                     pending = await anext(chunks, None)
             except ServiceError as exc:
                 yield {"data": json.dumps(service_error_body(exc))}
@@ -361,15 +363,15 @@ class _Shape:
         self.chat = chat
         self.tools = tools
 
-    def tool_call_deltas(self, tools: ToolCalls, text: str, last: GenerateChunk
-                         ) -> list[dict[str, Any]]:
-        """The stream's end for a tool call: the call in one delta and ``tool_calls``, or,
+    def tool_call_deltas(self, tools: ToolCalls, text: str, last: GenerateChunk,
+                         choice: int = 0) -> list[dict[str, Any]]:
+        """A choice's end for a tool call: the call in one delta and ``tool_calls``, or,
         cut short by ``max_tokens``, the partial text and ``length``."""
         if last.finish_reason != "stop":
-            return [self.chunk(0, {"content": text}, None, last.finish_reason)]
+            return [self.chunk(choice, {"content": text}, None, last.finish_reason)]
         calls = [{"index": i, **c} for i, c in enumerate(tools.parse(text))]
-        return [self.chunk(0, {"tool_calls": calls}, None, None),
-                self.chunk(0, {}, None, "tool_calls")]
+        return [self.chunk(choice, {"tool_calls": calls}, None, None),
+                self.chunk(choice, {}, None, "tool_calls")]
 
     def envelope(self, choices: list[dict[str, Any]], usage: Usage | None = None
                  ) -> dict[str, Any]:

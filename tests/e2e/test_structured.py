@@ -232,3 +232,50 @@ def test_http_tool_calls_required_and_named(cluster: Cluster) -> None:
                                        max_tokens=10)
     assert info.value.body["param"] == "tool_choice"  # "auto" has no parser here
     assert "auto" in info.value.message
+
+
+def test_n_constrained_choices_over_http_and_grpc(cluster: Cluster) -> None:
+    """n > 1 with a constraint: each choice its own valid output (own matcher), whole and
+    streamed, as JSON and as tool calls; over gRPC each streamed sequence validates."""
+    client = oai(cluster)
+    messages = [{"role": "user", "content": "weather in Oslo?"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA,
+                                                  "strict": True}}
+    out = client.chat.completions.create(model="alpha", messages=messages, response_format=fmt,
+                                         max_tokens=150, temperature=1.0, seed=3, n=3)
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    for c in out.choices:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.message.content or ""), SCHEMA)
+    calls = client.chat.completions.create(model=BASE, messages=messages, tools=TOOLS,
+                                           tool_choice="required", max_tokens=120,
+                                           temperature=1.0, seed=5, n=2)
+    for c in calls.choices:
+        assert c.finish_reason == "tool_calls" and c.message.tool_calls
+        for call in c.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments),
+                                PARAMETERS[call.function.name])
+    stream = client.chat.completions.create(model="gamma", messages=messages, tools=TOOLS,
+                                            tool_choice="required", max_tokens=120,
+                                            temperature=1.0, seed=5, n=2, stream=True)
+    streamed: dict[int, list] = {0: [], 1: []}
+    reasons: dict[int, str] = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            streamed[c.index].extend(c.delta.tool_calls or [])
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    assert reasons == {0: "tool_calls", 1: "tool_calls"}
+    for index, deltas in streamed.items():
+        assert deltas, index
+        for d in deltas:
+            jsonschema.validate(json.loads(d.function.arguments or ""),
+                                PARAMETERS[d.function.name or ""])
+    texts: dict[int, str] = {0: "", 1: "", 2: ""}
+    with cluster.client() as grpc_client:
+        for chunk in grpc_client.generate_stream("n", "alpha", params=SamplingParams(
+                max_tokens=150, temperature=1.0, seed=8, n=3,
+                structured=StructuredOutput("json_schema", json.dumps(SCHEMA)))):
+            texts[chunk.index] += chunk.text
+    for text in texts.values():
+        jsonschema.validate(json.loads(text), SCHEMA)

@@ -87,7 +87,7 @@ def run(engine, requests, deadline_s=300):
     return {rid: (tokens, "".join(text), final[rid]) for rid, (tokens, text) in got.items()}
 
 
-def constraint_mix(adapters, temperature, seed0=0):
+def constraint_mix(adapters, temperature, seed0=0, max_tokens=200):
     """One request per schema, regex and choice, rotating over the adapters and the base
     model, with a free request after every constrained one. Returns the requests and a
     checker per constrained request id."""
@@ -98,12 +98,22 @@ def constraint_mix(adapters, temperature, seed0=0):
     requests, checks = [], {}
     for i, spec in enumerate(specs):
         digest = digests[i % len(digests)]
-        params = SamplingParams(max_tokens=200, temperature=temperature, seed=seed0 + i,
-                                structured=spec)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                seed=seed0 + i, structured=spec)
         requests.append((f"c{i}", f"request {i}:", params, digest))
         checks[f"c{i}"] = spec
         requests.append((f"f{i}", f"free {i}", SamplingParams(max_tokens=8), digest))
     return requests, checks
+
+
+def compile_all(engine, specs, deadline_s=60):
+    """Fill the engine's compile cache with ``specs`` (their requests are then ready at
+    once, whatever the compile threads' timing)."""
+    states = [engine.grammars.submit(spec) for spec in specs]
+    deadline = time.monotonic() + deadline_s
+    while any(s.compiled is None for s in states):
+        assert time.monotonic() < deadline, "grammars did not compile"
+        time.sleep(0.01)
 
 
 def check_valid(spec: StructuredOutput, text: str) -> None:
@@ -134,9 +144,10 @@ def test_constrained_outputs_validate_in_a_mixed_batch(setup, temperature):
 
 def test_constrained_outputs_validate_under_preemption(setup):
     model, adapters = setup
-    requests, checks = constraint_mix(adapters, 0.0)
+    requests, checks = constraint_mix(adapters, 0.0, max_tokens=100)
     roomy = run(make_engine(model, adapters), requests)
-    engine = make_engine(model, adapters, num_pages=80)  # too few pages for all at once
+    engine = make_engine(model, adapters, num_pages=56)  # too few pages for all at once
+    compile_all(engine, checks.values())  # all admitted at once: the most pressure
     tight = run(engine, requests)
     assert engine.scheduler.num_preemptions > 0
     for rid, spec in checks.items():
@@ -359,7 +370,7 @@ def test_a_matcher_that_fails_fails_its_request_alone(setup):
         raise RuntimeError("matcher exploded")
 
     deadline = time.monotonic() + 60
-    while bad.grammar is None or not bad.grammar.ready:
+    while bad.grammar is None or bad.grammar.compiled is None:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     bad.grammar.fill = broken
