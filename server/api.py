@@ -13,8 +13,9 @@ from loraplex.server.params import ChatMessage, ChatMessages, SamplingParams, To
 
 __all__ = ["FINISH_REASONS", "MAX_MESSAGE_BYTES", "AdapterQuery", "ChatMessage", "ChatMessages",
            "Completion", "FileHeader", "GenerateChunk", "GenerateRequest", "Prompt",
-           "SamplingParams", "ServiceError", "Timing", "TokenLogprob", "UploadMetadata",
-           "UploadPart", "Usage", "WorkerRequest", "WorkerStatus"]
+           "SamplingParams", "SequenceOutput", "ServiceError", "Timing", "TokenLogprob", "Tool",
+           "ToolCall", "ToolChoice", "UploadMetadata", "UploadPart", "Usage", "WorkerRequest",
+           "WorkerStatus"]
 
 # Finish reasons a stream can end with; "abort" and "error" become gRPC statuses instead.
 FINISH_REASONS = ("stop", "length")
@@ -60,6 +61,34 @@ class ServiceError(Exception):
 
 
 @dataclass(frozen=True)
+class Tool:
+    """A function the model may call: its name, a description, and the JSON schema of its
+    arguments as JSON text (``""``: no arguments)."""
+
+    name: str
+    description: str = ""
+    parameters: str = ""
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """Which call the output makes: ``mode`` ``"required"`` / ``"none"`` / ``"auto"``, or
+    ``function``, the name of the tool to call (at most one of the two set)."""
+
+    mode: str = ""
+    function: str = ""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call the output made: its id, the tool's name and the arguments' JSON text."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     """A public generation request.
 
@@ -68,12 +97,16 @@ class GenerateRequest:
         params: sampling parameters.
         adapter: ``"name"``, ``"name@version"`` or ``""`` for the base model.
         request_id: echoed back in every chunk; the gateway assigns one when empty.
+        tools / tool_choice: tool calling (``gateway_tools.py``); the gateway turns them into
+            a structured-output constraint, so workers never see them.
     """
 
     prompt: Prompt
     params: SamplingParams = field(default_factory=SamplingParams)
     adapter: str = ""
     request_id: str = ""
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice | None = None
 
 
 @dataclass(frozen=True)
@@ -119,6 +152,7 @@ class GenerateChunk:
     timing: Timing | None = None
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # with the first token
     index: int = 0  # which of the request's n sequences
+    tool_calls: list[ToolCall] = field(default_factory=list)  # with finish reason "tool_calls"
 
     @property
     def finished(self) -> bool:
@@ -127,8 +161,32 @@ class GenerateChunk:
 
 
 @dataclass
+class SequenceOutput:
+    """One of a request's n sequences, whole."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    def add(self, chunk: GenerateChunk) -> None:
+        """Append a chunk of this sequence."""
+        self.token_ids.extend(chunk.token_ids)
+        self.text += chunk.text
+        self.logprobs.extend(chunk.logprobs)
+        self.tool_calls.extend(chunk.tool_calls)
+        if chunk.finish_reason is not None:
+            self.finish_reason = chunk.finish_reason
+
+
+@dataclass
 class Completion:
-    """A whole generation (the unary ``Generate`` response, or a stream gathered up)."""
+    """A whole generation (the unary ``Generate`` response, or a stream gathered up).
+
+    The top-level fields are sequence 0's (with n > 1 too); ``sequences`` holds all n by
+    index, sequence 0 included (filled by ``gather``, and by the client from a response)."""
 
     request_id: str
     token_ids: list[int] = field(default_factory=list)
@@ -138,15 +196,32 @@ class Completion:
     usage: Usage = field(default_factory=Usage)
     timing: Timing = field(default_factory=Timing)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    sequences: list[SequenceOutput] = field(default_factory=list)
 
     def add(self, chunk: GenerateChunk) -> None:
-        """Append a chunk of the same request."""
+        """Append a chunk of the same request (its index not looked at: one sequence)."""
         self.token_ids.extend(chunk.token_ids)
         self.text += chunk.text
         self.logprobs.extend(chunk.logprobs)
-        self.prompt_logprobs.extend(chunk.prompt_logprobs)
+        self.tool_calls.extend(chunk.tool_calls)
+        self._add_request_fields(chunk)
         if chunk.finish_reason is not None:
             self.finish_reason = chunk.finish_reason
+
+    def gather(self, chunk: GenerateChunk) -> None:
+        """Append a chunk of any of the request's sequences: to ``sequences[chunk.index]``,
+        and sequence 0's to the top-level fields too."""
+        if chunk.index == 0:
+            self.add(chunk)
+        else:
+            self._add_request_fields(chunk)
+        while len(self.sequences) <= chunk.index:
+            self.sequences.append(SequenceOutput(len(self.sequences)))
+        self.sequences[chunk.index].add(chunk)
+
+    def _add_request_fields(self, chunk: GenerateChunk) -> None:
+        self.prompt_logprobs.extend(chunk.prompt_logprobs)
         if chunk.usage is not None:
             self.usage = chunk.usage
         if chunk.timing is not None:

@@ -18,10 +18,11 @@ client certificate to a gateway that requires one (``server/tls.py``).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 
@@ -37,6 +38,9 @@ from loraplex.server.api import (
     GenerateChunk,
     GenerateRequest,
     ServiceError,
+    Tool,
+    ToolCall,
+    ToolChoice,
     UploadMetadata,
     UploadPart,
 )
@@ -44,8 +48,8 @@ from loraplex.server.params import SamplingParams, StructuredOutput
 from loraplex.server.tls import client_credentials
 from loraplex.server.wire.stubs import AsyncClientStub, ClientStub
 
-__all__ = ["AsyncClient", "ChatMessage", "Client", "ServiceError", "StructuredOutput",
-           "adapter_upload_parts"]
+__all__ = ["AsyncClient", "ChatMessage", "Client", "ServiceError", "StructuredOutput", "Tool",
+           "ToolCall", "ToolChoice", "adapter_upload_parts"]
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 UPLOAD_CHUNK_BYTES = 1 << 20
@@ -104,8 +108,35 @@ def _chat(messages: Messages) -> ChatMessages:
     return ChatMessages(tuple(out))
 
 
+# What ``tools=`` takes: Tool objects, or mappings in OpenAI's shape ({"type": "function",
+# "function": {"name": ..., "description": ..., "parameters": {...}}}) or flat ({"name": ...,
+# "parameters": ...}); parameters as a JSON schema (dict) or its JSON text.
+Tools: TypeAlias = Sequence[Tool | Mapping[str, Any]]
+# What ``tool_choice=`` takes: "required", "none", "auto" (refused by the server), a
+# ToolChoice, or OpenAI's {"type": "function", "function": {"name": ...}}.
+ToolChoiceArg: TypeAlias = str | ToolChoice | Mapping[str, Any] | None
+
+
+def _tool(t: Tool | Mapping[str, Any]) -> Tool:
+    if isinstance(t, Tool):
+        return t
+    fn = t.get("function", t) if t.get("type") == "function" else t
+    params = fn.get("parameters", "")
+    return Tool(str(fn["name"]), str(fn.get("description") or ""),
+                params if isinstance(params, str) else json.dumps(params))
+
+
+def _tool_choice(choice: ToolChoiceArg) -> ToolChoice | None:
+    if choice is None or isinstance(choice, ToolChoice):
+        return choice
+    if isinstance(choice, str):
+        return ToolChoice(mode=choice)
+    return ToolChoice(function=str(choice["function"]["name"]))
+
+
 def _request(prompt: PromptArg, adapter: str, params: SamplingParams | None, request_id: str,
-             kwargs: dict[str, Any], messages: Messages | None = None) -> GenerateRequest:
+             kwargs: dict[str, Any], messages: Messages | None = None,
+             tools: Tools | None = None, tool_choice: ToolChoiceArg = None) -> GenerateRequest:
     if params is not None and kwargs:
         raise TypeError("pass either params or sampling keyword arguments, not both")
     if (prompt is None) == (messages is None):
@@ -116,7 +147,9 @@ def _request(prompt: PromptArg, adapter: str, params: SamplingParams | None, req
         body: str | tuple[int, ...] | ChatMessages = _chat(messages)
     else:
         body = prompt if isinstance(prompt, str) else tuple(prompt or ())
-    return GenerateRequest(prompt=body, params=params, adapter=adapter, request_id=request_id)
+    return GenerateRequest(prompt=body, params=params, adapter=adapter, request_id=request_id,
+                           tools=tuple(_tool(t) for t in tools or ()),
+                           tool_choice=_tool_choice(tool_choice))
 
 
 def _metadata(api_key: str | None) -> list[tuple[str, str]]:
@@ -169,24 +202,31 @@ class Client:
 
     def generate(self, prompt: PromptArg = None, adapter: str = "", *,
                  messages: Messages | None = None, params: SamplingParams | None = None,
-                 request_id: str = "", timeout: float | None = None, **sampling: Any
+                 request_id: str = "", timeout: float | None = None,
+                 tools: Tools | None = None, tool_choice: ToolChoiceArg = None, **sampling: Any
                  ) -> Completion:
         """The whole completion of ``prompt`` (text or token ids) or of chat ``messages``
         (``[{"role": "user", "content": "Hi"}]``, rendered by the model's chat template; the
         reply ends at its end-of-turn token). ``sampling`` are ``SamplingParams`` fields
-        (``max_tokens=32, temperature=0.7, ...``), or pass ``params``."""
+        (``max_tokens=32, temperature=0.7, ...``), or pass ``params``. With ``n > 1``,
+        ``sequences`` holds all n (the top-level fields are sequence 0's). ``tools`` with
+        ``tool_choice="required"`` (or a named function) make the reply one call:
+        ``tool_calls`` and finish reason ``tool_calls``."""
         return self._stub.generate(
-            _request(prompt, adapter, params, request_id, sampling, messages), self._metadata,
+            _request(prompt, adapter, params, request_id, sampling, messages, tools,
+                     tool_choice), self._metadata,
             self._timeout(timeout))
 
     def generate_stream(self, prompt: PromptArg = None, adapter: str = "", *,
                         messages: Messages | None = None, params: SamplingParams | None = None,
-                        request_id: str = "", timeout: float | None = None, **sampling: Any
-                        ) -> Iterator[GenerateChunk]:
+                        request_id: str = "", timeout: float | None = None,
+                        tools: Tools | None = None, tool_choice: ToolChoiceArg = None,
+                        **sampling: Any) -> Iterator[GenerateChunk]:
         """Chunks as they are produced; closing the iterator cancels the request (arguments
         as for ``generate``)."""
         return self._stub.generate_stream(
-            _request(prompt, adapter, params, request_id, sampling, messages), self._metadata,
+            _request(prompt, adapter, params, request_id, sampling, messages, tools,
+                     tool_choice), self._metadata,
             self._timeout(timeout))
 
     def upload_adapter(self, path: str | os.PathLike[str], name: str, tenant: str = "",
@@ -245,18 +285,22 @@ class AsyncClient:
 
     async def generate(self, prompt: PromptArg = None, adapter: str = "", *,
                        messages: Messages | None = None, params: SamplingParams | None = None,
-                       request_id: str = "", timeout: float | None = None, **sampling: Any
-                       ) -> Completion:
+                       request_id: str = "", timeout: float | None = None,
+                       tools: Tools | None = None, tool_choice: ToolChoiceArg = None,
+                       **sampling: Any) -> Completion:
         return await self._stub.generate(
-            _request(prompt, adapter, params, request_id, sampling, messages), self._metadata,
+            _request(prompt, adapter, params, request_id, sampling, messages, tools,
+                     tool_choice), self._metadata,
             self._timeout(timeout))
 
     def generate_stream(self, prompt: PromptArg = None, adapter: str = "", *,
                         messages: Messages | None = None, params: SamplingParams | None = None,
-                        request_id: str = "", timeout: float | None = None, **sampling: Any
-                        ) -> AsyncIterator[GenerateChunk]:
+                        request_id: str = "", timeout: float | None = None,
+                        tools: Tools | None = None, tool_choice: ToolChoiceArg = None,
+                        **sampling: Any) -> AsyncIterator[GenerateChunk]:
         return self._stub.generate_stream(
-            _request(prompt, adapter, params, request_id, sampling, messages), self._metadata,
+            _request(prompt, adapter, params, request_id, sampling, messages, tools,
+                     tool_choice), self._metadata,
             self._timeout(timeout))
 
     async def upload_adapter(self, path: str | os.PathLike[str], name: str, tenant: str = "",

@@ -8,7 +8,7 @@ call's ``CallContext``):
 1. Authenticate the API key (``auth.KeyRing``): the key names the tenant.
 2. Bound every field that needs no tokenizer (prompt bytes, chat messages: count, roles and
    content bytes; max_tokens, stop strings, logprobs, ids): ``INVALID_ARGUMENT`` before
-   anything is queued.
+   anything is queued. Tools become a tool-call constraint (``gateway_tools``).
 3. Resolve ``name[@version]`` to a digest through the adapter store, in the tenant's own
    namespace: another tenant's adapter is ``NOT_FOUND`` exactly like a missing one.
 4. Admit it under the tenant's quota (``quota.Quotas``: requests in flight, tokens per
@@ -59,6 +59,7 @@ from loraplex.server.config import GatewayConfig
 from loraplex.server.engine.models.config import ModelConfig
 from loraplex.server.gateway_adapters import AdaptersService, UploadLimits
 from loraplex.server.gateway_pool import WorkerPool
+from loraplex.server.gateway_tools import ToolCallOutputs, constrain
 from loraplex.server.metrics import GatewayMetrics, MetricsServer, StreamTimer
 from loraplex.server.params import check_messages
 from loraplex.server.quota import LocalQuotaBackend, QuotaBackend, Quotas, Ticket
@@ -171,20 +172,12 @@ class GenerationService:
         StreamTimer(self.metrics).finish(tenant, error.code.name, _cause(error))
 
     async def generate(self, request: GenerateRequest, context: CallContext) -> Completion:
-        """The whole completion (the stream, gathered).
-
-        Raises:
-            ServiceError: INVALID_ARGUMENT for ``n > 1`` (a response holds one sequence).
-        """
-        if request.params.n > 1:
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                               "n: n > 1 needs GenerateStream (each chunk names its sequence's "
-                               "index); Generate returns one sequence")
+        """The whole completion (the stream gathered; all n sequences in ``sequences``)."""
         result = Completion(request_id=request.request_id)
         async with contextlib.aclosing(self.generate_stream(request, context)) as chunks:
             async for chunk in chunks:
                 result.request_id = chunk.request_id
-                result.add(chunk)
+                result.gather(chunk)
         return result
 
     async def generate_stream(self, request: GenerateRequest, context: CallContext
@@ -207,6 +200,8 @@ class GenerationService:
             if self.draining:
                 raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                    "the gateway is shutting down; retry", cause="draining")
+            request, tools = constrain(request)  # tool calling: a constraint, then the calls
+            outputs = ToolCallOutputs(tools) if tools is not None else None
             check_bounds(request, self.config)
             record = await self.resolve(tenant, request.adapter)
             ticket = await self.quotas.admit(tenant, request)
@@ -219,6 +214,8 @@ class GenerationService:
             async with contextlib.aclosing(proxied) as chunks:
                 async for chunk in chunks:
                     chunk.request_id = request_id
+                    if outputs is not None:
+                        outputs.update(chunk)
                     num_streamed += len(chunk.token_ids)
                     usage = chunk.usage or usage
                     yield chunk

@@ -19,7 +19,11 @@ from loraplex.server.api import (
     GenerateChunk,
     GenerateRequest,
     Prompt,
+    SequenceOutput,
     Timing,
+    Tool,
+    ToolCall,
+    ToolChoice,
     UploadMetadata,
     UploadPart,
     Usage,
@@ -30,7 +34,8 @@ from loraplex.server.params import SamplingParams, StructuredOutput, TokenLogpro
 from loraplex.v1 import adapters_pb2, generation_pb2, worker_pb2
 
 _FINISH_TO_PB = {"stop": generation_pb2.FINISH_REASON_STOP,
-                 "length": generation_pb2.FINISH_REASON_LENGTH}
+                 "length": generation_pb2.FINISH_REASON_LENGTH,
+                 "tool_calls": generation_pb2.FINISH_REASON_TOOL_CALLS}
 _FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
 _DEFAULT_PARAMS = SamplingParams()
 # The trailer every deliberate status carries (see services.py).
@@ -124,14 +129,33 @@ def _set_prompt(m: Any, prompt: Prompt | list[int]) -> None:
         m.token_ids.ids.extend(prompt)
 
 
+def _tool_choice_from_pb(m: generation_pb2.GenerateRequest) -> ToolChoice | None:
+    if not m.HasField("tool_choice"):
+        return None
+    which = m.tool_choice.WhichOneof("choice")
+    if which is None:
+        raise ValueError("tool_choice: set mode or function")
+    return ToolChoice(**{which: getattr(m.tool_choice, which)})
+
+
 def generate_request_from_pb(m: generation_pb2.GenerateRequest) -> GenerateRequest:
     return GenerateRequest(prompt=_prompt_from_pb(m), params=sampling_params_from_pb(m.params),
-                           adapter=m.adapter, request_id=m.request_id)
+                           adapter=m.adapter, request_id=m.request_id,
+                           tools=tuple(Tool(t.name, t.description, t.parameters)
+                                       for t in m.tools),
+                           tool_choice=_tool_choice_from_pb(m))
 
 
 def generate_request_to_pb(r: GenerateRequest) -> generation_pb2.GenerateRequest:
-    m = generation_pb2.GenerateRequest(adapter=r.adapter, request_id=r.request_id,
-                                       params=sampling_params_to_pb(r.params))
+    m = generation_pb2.GenerateRequest(
+        adapter=r.adapter, request_id=r.request_id, params=sampling_params_to_pb(r.params),
+        tools=[generation_pb2.Tool(name=t.name, description=t.description,
+                                   parameters=t.parameters) for t in r.tools])
+    if r.tool_choice is not None:
+        # CopyFrom: an empty choice must still mark the field as set
+        m.tool_choice.CopyFrom(generation_pb2.ToolChoice(
+            **{k: v for k, v in (("mode", r.tool_choice.mode),
+                                 ("function", r.tool_choice.function)) if v}))
     _set_prompt(m, r.prompt)
     return m
 
@@ -168,11 +192,35 @@ def _finish_from_pb(value: int) -> str | None:
     return _FINISH_FROM_PB.get(value)
 
 
+def _tool_calls_to_pb(calls: list[ToolCall]) -> list[generation_pb2.ToolCall]:
+    return [generation_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls]
+
+
+def _tool_calls_from_pb(ms: Any) -> list[ToolCall]:
+    return [ToolCall(m.id, m.name, m.arguments) for m in ms]
+
+
+def _sequence_to_pb(s: SequenceOutput) -> generation_pb2.Sequence:
+    m = generation_pb2.Sequence(index=s.index, token_ids=s.token_ids, text=s.text,
+                                logprobs=_logprobs_to_pb(s.logprobs),
+                                tool_calls=_tool_calls_to_pb(s.tool_calls))
+    if s.finish_reason is not None:
+        m.finish_reason = _FINISH_TO_PB[s.finish_reason]
+    return m
+
+
+def _sequence_from_pb(m: generation_pb2.Sequence) -> SequenceOutput:
+    return SequenceOutput(index=m.index, token_ids=list(m.token_ids), text=m.text,
+                          logprobs=_logprobs_from_pb(m.logprobs),
+                          finish_reason=_finish_from_pb(m.finish_reason),
+                          tool_calls=_tool_calls_from_pb(m.tool_calls))
+
+
 def chunk_to_pb(c: GenerateChunk) -> generation_pb2.GenerateChunk:
     m = generation_pb2.GenerateChunk(request_id=c.request_id, token_ids=c.token_ids, text=c.text,
                                      logprobs=_logprobs_to_pb(c.logprobs),
                                      prompt_logprobs=_logprobs_to_pb(c.prompt_logprobs),
-                                     index=c.index)
+                                     index=c.index, tool_calls=_tool_calls_to_pb(c.tool_calls))
     if c.finish_reason is not None:
         m.finish_reason = _FINISH_TO_PB[c.finish_reason]
     if c.usage is not None:
@@ -187,26 +235,36 @@ def chunk_from_pb(m: generation_pb2.GenerateChunk) -> GenerateChunk:
         request_id=m.request_id, token_ids=list(m.token_ids), text=m.text,
         logprobs=_logprobs_from_pb(m.logprobs), finish_reason=_finish_from_pb(m.finish_reason),
         prompt_logprobs=_logprobs_from_pb(m.prompt_logprobs), index=m.index,
+        tool_calls=_tool_calls_from_pb(m.tool_calls),
         usage=_usage_from_pb(m.usage) if m.HasField("usage") else None,
         timing=_timing_from_pb(m.timing) if m.HasField("timing") else None)
 
 
 def completion_to_pb(c: Completion) -> generation_pb2.GenerateResponse:
+    """Sequence 0 in the top-level fields; ``sequences`` only when there are several."""
     m = generation_pb2.GenerateResponse(
         request_id=c.request_id, token_ids=c.token_ids, text=c.text,
         logprobs=_logprobs_to_pb(c.logprobs), usage=_usage_to_pb(c.usage),
-        timing=_timing_to_pb(c.timing), prompt_logprobs=_logprobs_to_pb(c.prompt_logprobs))
+        timing=_timing_to_pb(c.timing), prompt_logprobs=_logprobs_to_pb(c.prompt_logprobs),
+        tool_calls=_tool_calls_to_pb(c.tool_calls),
+        sequences=[_sequence_to_pb(s) for s in c.sequences] if len(c.sequences) > 1 else [])
     if c.finish_reason is not None:
         m.finish_reason = _FINISH_TO_PB[c.finish_reason]
     return m
 
 
 def completion_from_pb(m: generation_pb2.GenerateResponse) -> Completion:
-    return Completion(request_id=m.request_id, token_ids=list(m.token_ids), text=m.text,
-                      logprobs=_logprobs_from_pb(m.logprobs),
-                      prompt_logprobs=_logprobs_from_pb(m.prompt_logprobs),
-                      finish_reason=_finish_from_pb(m.finish_reason),
-                      usage=_usage_from_pb(m.usage), timing=_timing_from_pb(m.timing))
+    """``sequences`` always lists every sequence (a one-sequence response: sequence 0)."""
+    c = Completion(request_id=m.request_id, token_ids=list(m.token_ids), text=m.text,
+                   logprobs=_logprobs_from_pb(m.logprobs),
+                   prompt_logprobs=_logprobs_from_pb(m.prompt_logprobs),
+                   finish_reason=_finish_from_pb(m.finish_reason),
+                   usage=_usage_from_pb(m.usage), timing=_timing_from_pb(m.timing),
+                   tool_calls=_tool_calls_from_pb(m.tool_calls))
+    c.sequences = ([_sequence_from_pb(s) for s in m.sequences] if m.sequences else
+                   [SequenceOutput(0, list(c.token_ids), c.text, list(c.logprobs),
+                                   c.finish_reason, list(c.tool_calls))])
+    return c
 
 
 def _copy_to_pb(pb_class: Any, obj: Any) -> Any:

@@ -121,10 +121,11 @@ def test_segments_equal_shrink_then_expand(pattern: str, shape: str, dtype: torc
 def test_widened_bf16_segments_within_bf16_of_reference(pattern: str, shape: str) -> None:
     # The bf16 CPU path: float32 copies of the blocks, products in float32, y rounded once;
     # h is not rounded to bf16 as the reference rounds it, so the two agree to bf16's last
-    # bits (2**-8 relative on deltas of magnitude <= ~10), not bit for bit.
+    # bits, not bit for bit.
     batch = make_batch(pattern, SHAPES[shape], d_in=100, d_out=72, page_elems=80,
                        dtype=torch.bfloat16)
-    y0 = torch.randn(batch.x.shape[0], 72, device=DEVICE).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    y0 = torch.randn(batch.x.shape[0], 72, generator=gen).to(DEVICE, torch.bfloat16)
     expected = y0.clone()
     h = reference.lora_shrink(batch.x, batch.pool, batch.page_table, batch.seg_indptr,
                               batch.ranks, batch.a_offsets, batch.max_rank)
@@ -132,5 +133,7 @@ def test_widened_bf16_segments_within_bf16_of_reference(pattern: str, shape: str
                           batch.b_offsets, batch.scales, expected)
     y = y0.clone()
     cpu.lora_segments(batch.x, y, _segment_blocks(batch, blocks_dtype=torch.float32))
-    torch.testing.assert_close(y.float(), expected.float(), rtol=3e-2, atol=6e-2)
+    # two bf16 ulps of the largest output: an element near cancellation may round either way
+    atol = 2 * 2.0 ** -8 * expected.float().abs().max().item()
+    torch.testing.assert_close(y.float(), expected.float(), rtol=2.0 ** -7, atol=atol)
     assert not torch.equal(y, y0)

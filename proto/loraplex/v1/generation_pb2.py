@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cloraplex/v1/generation.proto\x12\x0bloraplex.v1\"\xf1\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x03\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\x04\x88\x01\x01\x12>\n\nlogit_bias\x18\x0e \x03(\x0b\x32*.loraplex.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\x0f \x01(\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\x05\x88\x01\x01\x12\x0e\n\x01n\x18\x11 \x01(\rH\x06\x88\x01\x01\x12\x31\n\nstructured\x18\x14 \x01(\x0b\x32\x1d.loraplex.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobsB\x04\n\x02_n\"\x9a\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x14.loraplex.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.loraplex.v1.ChatMessage\"\xd8\x01\n\x0fGenerateRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.loraplex.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x06 \x01(\x0b\x32\x19.loraplex.v1.ChatMessagesH\x00\x12+\n\x06params\x18\x04 \x01(\x0b\x32\x1b.loraplex.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.loraplex.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"L\n\x06Timing\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x14\n\x0cttft_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\"\xae\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.loraplex.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.loraplex.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.loraplex.v1.Usage\x12#\n\x06timing\x18\x07 \x01(\x0b\x32\x13.loraplex.v1.Timing\x12\r\n\x05index\x18\x08 \x01(\r\x12\x32\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x19.loraplex.v1.TokenLogprob\"\xa2\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.loraplex.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.loraplex.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.loraplex.v1.Usage\x12#\n\x06timing\x18\x07 \x01(\x0b\x32\x13.loraplex.v1.Timing\x12\x32\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x19.loraplex.v1.TokenLogprob*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xa3\x01\n\nGeneration\x12G\n\x08Generate\x12\x1c.loraplex.v1.GenerateRequest\x1a\x1d.loraplex.v1.GenerateResponse\x12L\n\x0eGenerateStream\x12\x1c.loraplex.v1.GenerateRequest\x1a\x1a.loraplex.v1.GenerateChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cloraplex/v1/generation.proto\x12\x0bloraplex.v1\"\xf1\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x03\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\x04\x88\x01\x01\x12>\n\nlogit_bias\x18\x0e \x03(\x0b\x32*.loraplex.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\x0f \x01(\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\rH\x05\x88\x01\x01\x12\x0e\n\x01n\x18\x11 \x01(\rH\x06\x88\x01\x01\x12\x31\n\nstructured\x18\x14 \x01(\x0b\x32\x1d.loraplex.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobsB\x04\n\x02_n\"\x9a\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x14.loraplex.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.loraplex.v1.ChatMessage\"\xa8\x02\n\x0fGenerateRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.loraplex.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x06 \x01(\x0b\x32\x19.loraplex.v1.ChatMessagesH\x00\x12+\n\x06params\x18\x04 \x01(\x0b\x32\x1b.loraplex.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12 \n\x05tools\x18\x07 \x03(\x0b\x32\x11.loraplex.v1.Tool\x12,\n\x0btool_choice\x18\x08 \x01(\x0b\x32\x17.loraplex.v1.ToolChoiceB\x08\n\x06prompt\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.loraplex.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"L\n\x06Timing\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x14\n\x0cttft_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\"\xd9\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.loraplex.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.loraplex.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.loraplex.v1.Usage\x12#\n\x06timing\x18\x07 \x01(\x0b\x32\x13.loraplex.v1.Timing\x12\r\n\x05index\x18\x08 \x01(\r\x12\x32\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x19.loraplex.v1.TokenLogprob\x12)\n\ntool_calls\x18\n \x03(\x0b\x32\x15.loraplex.v1.ToolCall\"\xc4\x01\n\x08Sequence\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.loraplex.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.loraplex.v1.FinishReason\x12)\n\ntool_calls\x18\x06 \x03(\x0b\x32\x15.loraplex.v1.ToolCall\"\xf7\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.loraplex.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.loraplex.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.loraplex.v1.Usage\x12#\n\x06timing\x18\x07 \x01(\x0b\x32\x13.loraplex.v1.Timing\x12\x32\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x19.loraplex.v1.TokenLogprob\x12(\n\tsequences\x18\t \x03(\x0b\x32\x15.loraplex.v1.Sequence\x12)\n\ntool_calls\x18\n \x03(\x0b\x32\x15.loraplex.v1.ToolCall*}\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x03\x32\xa3\x01\n\nGeneration\x12G\n\x08Generate\x12\x1c.loraplex.v1.GenerateRequest\x1a\x1d.loraplex.v1.GenerateResponse\x12L\n\x0eGenerateStream\x12\x1c.loraplex.v1.GenerateRequest\x1a\x1a.loraplex.v1.GenerateChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2104
-  _globals['_FINISHREASON']._serialized_end=2199
+  _globals['_FINISHREASON']._serialized_start=2691
+  _globals['_FINISHREASON']._serialized_end=2816
   _globals['_SAMPLINGPARAMS']._serialized_start=46
   _globals['_SAMPLINGPARAMS']._serialized_end=671
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=527
@@ -50,19 +50,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=929
   _globals['_CHATMESSAGES']._serialized_end=987
   _globals['_GENERATEREQUEST']._serialized_start=990
-  _globals['_GENERATEREQUEST']._serialized_end=1206
-  _globals['_TOPLOGPROB']._serialized_start=1208
-  _globals['_TOPLOGPROB']._serialized_end=1255
-  _globals['_TOKENLOGPROB']._serialized_start=1257
-  _globals['_TOKENLOGPROB']._serialized_end=1344
-  _globals['_USAGE']._serialized_start=1346
-  _globals['_USAGE']._serialized_end=1426
-  _globals['_TIMING']._serialized_start=1428
-  _globals['_TIMING']._serialized_end=1504
-  _globals['_GENERATECHUNK']._serialized_start=1507
-  _globals['_GENERATECHUNK']._serialized_end=1809
-  _globals['_GENERATERESPONSE']._serialized_start=1812
-  _globals['_GENERATERESPONSE']._serialized_end=2102
-  _globals['_GENERATION']._serialized_start=2202
-  _globals['_GENERATION']._serialized_end=2365
+  _globals['_GENERATEREQUEST']._serialized_end=1286
+  _globals['_TOOL']._serialized_start=1288
+  _globals['_TOOL']._serialized_end=1349
+  _globals['_TOOLCHOICE']._serialized_start=1351
+  _globals['_TOOLCHOICE']._serialized_end=1409
+  _globals['_TOOLCALL']._serialized_start=1411
+  _globals['_TOOLCALL']._serialized_end=1466
+  _globals['_TOPLOGPROB']._serialized_start=1468
+  _globals['_TOPLOGPROB']._serialized_end=1515
+  _globals['_TOKENLOGPROB']._serialized_start=1517
+  _globals['_TOKENLOGPROB']._serialized_end=1604
+  _globals['_USAGE']._serialized_start=1606
+  _globals['_USAGE']._serialized_end=1686
+  _globals['_TIMING']._serialized_start=1688
+  _globals['_TIMING']._serialized_end=1764
+  _globals['_GENERATECHUNK']._serialized_start=1767
+  _globals['_GENERATECHUNK']._serialized_end=2112
+  _globals['_SEQUENCE']._serialized_start=2115
+  _globals['_SEQUENCE']._serialized_end=2311
+  _globals['_GENERATERESPONSE']._serialized_start=2314
+  _globals['_GENERATERESPONSE']._serialized_end=2689
+  _globals['_GENERATION']._serialized_start=2819
+  _globals['_GENERATION']._serialized_end=2982
 # @@protoc_insertion_point(module_scope)
