@@ -164,7 +164,8 @@ class Bench:
         s = build_report(log, SLO(ttft_s=args.slo_ttft_ms / 1000,
                                   itl_s=args.slo_tpot_ms / 1000))["summary"]
         run = {"system": system, "target_itl_ms": target_ms, "mode": mode, "load": value,
-               "round": rnd, "wall_s": wall, "output_tokens_per_s": s["output_tokens_per_s"],
+               "round": rnd, "wall_s": wall, "output_tokens": s["output_tokens"],
+               "output_tokens_per_s": s["output_tokens_per_s"],
                "ttft_s": s["ttft_s"], "itl_s": s["itl_s"], "tpot_s": s["tpot_s"],
                "goodput": s["goodput"], "num_errors": s["num_errors"],
                "errors": s["errors"], "merged_share": merged_share(log),
@@ -214,14 +215,15 @@ class Bench:
                                      startup_timeout_s=600.0).__enter__()
                 servers[target] = (server, port)
                 grpc = GrpcTarget(server.address, self.adapters)
-                grpc.run(self.warmup, RunConfig(mode="closed", concurrency=8, progress=False))
+                warm = RunConfig(mode="closed", concurrency=8, progress=False)
+                grpc.run(self.warmup, warm)
+                grpc.upload_missing(self.trace, warm)  # every adapter, whichever wire runs first
                 if target == 0:
                     systems += [(s, 0.0, wire) for s, wire in (("loraplex", "grpc"),
                                                                ("loraplex-http", "http"))
                                 if s in wanted]
                     if "loraplex-http" in wanted:
-                        OpenAITarget("loraplex-http", server.http_url).run(
-                            self.warmup, RunConfig(mode="closed", concurrency=8, progress=False))
+                        OpenAITarget("loraplex-http", server.http_url).run(self.warmup, warm)
                 else:
                     systems.append((f"loraplex-t{target:g}", target, "grpc"))
             for target, (server, _) in servers.items():

@@ -1,10 +1,17 @@
 """The tables of ``serve_bench.py``: every run, medians per system and load point with ratios
-to vLLM, and issue 22's checks for each run with the inter-token latency target on."""
+to vLLM, and issue 22's checks for each run with the inter-token latency target on.
+
+``python benchmarks/serve_report.py bench-out/serve/serve_bench.json`` prints them again from
+a report.
+"""
 
 from __future__ import annotations
 
+import json
 import statistics
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def _ms(v: float | None) -> str:
@@ -23,10 +30,17 @@ def point_name(run: dict) -> str:
     return f"c{run['load']:g}" if run["mode"] == "closed" else f"{run['load']:g}/s"
 
 
+def tokens_per_cpu_s(run: dict) -> float | None:
+    """Output tokens per CPU second of the server's processes (the machine is shared: CPU
+    time is far less inflated by other jobs than wall time)."""
+    return run["output_tokens"] / run["cpu_s"] if run.get("cpu_s") else None
+
+
 def print_table(runs: Sequence[dict]) -> None:
     """Every run, in the order they ran."""
     print(f"\n{'system':>15} {'load':>6} {'rnd':>3} {'tok/s':>6} {'TTFT50':>7} {'TTFT99':>7} "
           f"{'ITL50':>6} {'ITL99':>6} {'99/50':>5} {'good/s':>6} {'good%':>5} {'CPU/s':>5} "
+          f"{'tok/CPUs':>8} "
           f"{'merged':>6} {'steps>T':>7} {'pred/m':>6} {'step':>5} {'load1':>9} {'err':>3}")
     for r in runs:
         itl = r["itl_s"]
@@ -36,6 +50,7 @@ def print_table(runs: Sequence[dict]) -> None:
               f"{_ms(r['ttft_s']['p99']):>7} {_ms(itl['p50']):>6} {_ms(itl['p99']):>6} "
               f"{_f(ratio, '.1f'):>5} {r['goodput']['requests_per_s']:>6.2f} "
               f"{_pct(r['goodput']['fraction']):>5} {r['cpu_s'] / r['wall_s']:>5.2f} "
+              f"{_f(tokens_per_cpu_s(r), '.1f'):>8} "
               f"{_pct(r['merged_share']):>6} {_pct(r.get('steps_over_target')):>7} "
               f"{_f(r.get('predicted_over_measured')):>6} {_ms(r.get('mean_step_s')):>5} "
               f"{r['load_before']:>4.1f}-{r['load_after']:<4.1f} {r['num_errors']:>3}")
@@ -55,6 +70,7 @@ def medians(runs: Sequence[dict]) -> dict[tuple[str, str], dict[str, float | Non
     for r in runs:
         groups.setdefault((r["system"], point_name(r)), []).append(r)
     return {key: {"tok_s": _median([r["output_tokens_per_s"] for r in rs]),
+                  "tok_cpu_s": _median([tokens_per_cpu_s(r) for r in rs]),
                   "ttft_p50": _median([r["ttft_s"]["p50"] for r in rs]),
                   "ttft_p99": _median([r["ttft_s"]["p99"] for r in rs]),
                   "itl_p50": _median([r["itl_s"]["p50"] for r in rs]),
@@ -68,9 +84,9 @@ def medians_table(runs: Sequence[dict]) -> str:
     """Medians per system and load point, and each against vLLM's at the same point."""
     m = medians(runs)
     lines = ["\nmedians over rounds; x vLLM: the ratio to vllm's median at the same load",
-             f"{'system':>15} {'load':>6} {'n':>2} {'tok/s':>6} {'TTFT50':>7} {'ITL50':>6} "
-             f"{'ITL99':>6} {'good/s':>6} | x vLLM: {'tok/s':>6} {'TTFT50':>7} {'ITL50':>6} "
-             f"{'ITL99':>6}"]
+             f"{'system':>15} {'load':>6} {'n':>2} {'tok/s':>6} {'tok/CPUs':>8} {'TTFT50':>7} "
+             f"{'ITL50':>6} {'ITL99':>6} {'good/s':>6} | x vLLM: {'tok/s':>6} {'tok/CPUs':>8} "
+             f"{'TTFT50':>7} {'ITL50':>6} {'ITL99':>6}"]
     for (system, point), v in sorted(m.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         ref = m.get(("vllm", point))
 
@@ -79,8 +95,9 @@ def medians_table(runs: Sequence[dict]) -> str:
             return "-" if a is None or not b else f"{a / b:.2f}"
 
         lines.append(f"{system:>15} {point:>6} {v['n']:>2} {_f(v['tok_s'], '.1f'):>6} "
-                     f"{_ms(v['ttft_p50']):>7} {_ms(v['itl_p50']):>6} {_ms(v['itl_p99']):>6} "
-                     f"{_f(v['goodput']):>6} |         {x('tok_s'):>6} {x('ttft_p50'):>7} "
+                     f"{_f(v['tok_cpu_s'], '.1f'):>8} {_ms(v['ttft_p50']):>7} "
+                     f"{_ms(v['itl_p50']):>6} {_ms(v['itl_p99']):>6} {_f(v['goodput']):>6} | "
+                     f"        {x('tok_s'):>6} {x('tok_cpu_s'):>8} {x('ttft_p50'):>7} "
                      f"{x('itl_p50'):>6} {x('itl_p99'):>6}")
     return "\n".join(lines)
 
@@ -126,3 +143,20 @@ def checks_table(runs: Sequence[dict]) -> str:
         lines.append(f"{c['system']:>15} {c['load']:>6} {c['round']:>3} {cells[0]:>10} "
                      f"{cells[1]:>10} {cells[2]:>12} {cells[3]:>11}")
     return "\n".join(lines)
+
+
+def main(path: Path) -> None:
+    from loraplex.loadtest.records import RunLog
+
+    report = json.loads(path.read_text())
+    for run in report["runs"]:
+        if "output_tokens" not in run:  # an older report: count them in the run's log
+            log = RunLog.load(path.parent / f"{run['system']}-{run['mode']}{run['load']:g}"
+                                            f"-r{run['round']}.jsonl")
+            run["output_tokens"] = sum(r.num_output_tokens for r in log.measured if r.ok)
+    print_table(report["runs"])
+    print(checks_table(report["runs"]))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
