@@ -12,7 +12,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install redis serve test lint bench bench-peers clean
+.PHONY: install redis serve test lint bench bench-peers bench-serve clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -46,6 +46,12 @@ bench: install
 # lora_bench.py runs as subprocesses (benchmarks/vllm_peer.py); see docs/benchmarks.md.
 bench-peers:
 	sh scripts/bench_peers.sh
+
+# loraplex serve (gRPC, HTTP, two ITL targets) against vllm serve on the real model, one system
+# at a time, with the load tester (benchmarks/serve_bench.py; docs/benchmarks.md, "vllm serve").
+BENCH_SERVE_ARGS ?= --phases loraplex,vllm,loraplex
+bench-serve: install bench-peers
+	$(PY) benchmarks/serve_bench.py --model smollm2 $(BENCH_SERVE_ARGS) --out bench-out/serve
 
 clean:
 	rm -rf $(VENV) build *.egg-info

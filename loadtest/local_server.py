@@ -65,6 +65,13 @@ class LocalServer:
         self.log_path = self.data_dir / "server.log"
         self._proc: subprocess.Popen | None = None
 
+    @property
+    def pid(self) -> int:
+        """The server process's id (for CPU accounting); RuntimeError when not running."""
+        if self._proc is None:
+            raise RuntimeError("loraplex serve is not running")
+        return self._proc.pid
+
     def __enter__(self) -> LocalServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "w")

@@ -95,6 +95,17 @@ def test_the_same_trace_over_grpc_http_and_a_plain_openai_server(server, tmp_pat
         assert name in printed.split("wrote")[-2]
 
 
+def test_pid_is_the_serve_process(server):
+    """``LocalServer.pid`` names the ``loraplex serve`` process itself (benchmarks read its CPU
+    time from it)."""
+    import psutil
+
+    proc = psutil.Process(server.pid)
+    cmdline = proc.cmdline()
+    assert "serve" in cmdline and cmdline[cmdline.index("--port") + 1] == str(server.port)
+    assert proc.cpu_times().user > 0  # it loaded the model: CPU time to account for
+
+
 def _trace_lines(log: RunLog) -> list[dict]:
     from loraplex.loadtest.trace import TraceConfig, generate_trace
 
