@@ -68,7 +68,7 @@ def constrain(request: GenerateRequest) -> tuple[GenerateRequest, ToolCalls | No
         raise _invalid("tool_choice: a tool call cannot also follow params.structured")
     try:
         params = replace(request.params, structured=tools.constraint)
-    except ValueError as exc:  # n > 1 with a constraint
+    except ValueError as exc:  # the constraint refused by SamplingParams
         raise _invalid(str(exc)) from None
     return replace(request, params=params), tools
 

@@ -74,6 +74,30 @@ def test_streamed_tool_call_on_the_last_chunk(cluster: Cluster) -> None:
     assert json.loads(text)["name"] == call.name
 
 
+def test_n_sequences_each_make_their_own_call(cluster: Cluster) -> None:
+    """n > 1: every sequence is constrained on its own and carries its own call, unary (in
+    ``sequences``) and streamed (on each sequence's last chunk)."""
+    with cluster.client(timeout=120) as client:
+        out = client.generate(messages=MESSAGES, tools=TOOLS, tool_choice="required", n=3,
+                              max_tokens=120, temperature=1.0, seed=7)
+        assert [s.index for s in out.sequences] == [0, 1, 2]
+        for seq in out.sequences:
+            assert seq.finish_reason == "tool_calls", seq
+            [call] = seq.tool_calls
+            _check_call(call, set(PARAMETERS))
+            assert json.loads(seq.text)["name"] == call.name
+        chunks = list(client.generate_stream(messages=MESSAGES, tools=TOOLS, n=3,
+                                             tool_choice=ToolChoice(function="add"),
+                                             max_tokens=120, temperature=1.0, seed=7))
+    last = {c.index: c for c in chunks if c.finish_reason is not None}
+    assert sorted(last) == [0, 1, 2]
+    for chunk in last.values():
+        assert chunk.finish_reason == "tool_calls"
+        [call] = chunk.tool_calls
+        _check_call(call, {"add"})
+    assert cluster.wait_idle().pages.num_kv == 0
+
+
 def test_tool_choice_none_is_plain_text(cluster: Cluster) -> None:
     with cluster.client(timeout=120) as client:
         out = client.generate(messages=MESSAGES, tools=TOOLS, tool_choice="none",
@@ -95,7 +119,6 @@ def test_tool_choice_none_is_plain_text(cluster: Cluster) -> None:
      "tools[0].description: at most 8192"),
     ({"tools": TOOLS, "tool_choice": "required",
       "structured": StructuredOutput("json_object")}, "tool_choice: a tool call cannot"),
-    ({"tools": TOOLS, "tool_choice": "required", "n": 2, "temperature": 1.0}, "n: n > 1"),
 ])
 def test_refused_with_invalid_argument(cluster: Cluster, kwargs, message: str) -> None:
     with cluster.client(timeout=120) as client:
