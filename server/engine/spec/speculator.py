@@ -124,50 +124,46 @@ class Speculator:
 
     def _gate(self, requests: Sequence[Request], drafts: list[tuple[Request, list[int]]],
               cost: Callable[[StepShape], float] | None) -> list[tuple[Request, list[int]]]:
-        """The drafts worth verifying this step: added best first while the step's expected
-        tokens per predicted second keep growing."""
+        """The draft tokens worth verifying this step: token ``j`` of a draft is expected to
+        be accepted with probability ``a^j`` (``a``: its request's per-token acceptance);
+        tokens are added best first, across requests, while the step's expected tokens per
+        predicted second keep growing (a draft is cut where its next token stops paying)."""
         drafts = [(r, d) for r, d in drafts if d]
         if cost is None or not drafts:
             return drafts
-        base = StepShape(num_decode_tokens=len(requests),
-                         num_context_tokens=sum(context_tokens(r.num_computed_tokens, 1)
-                                                for r in requests),
-                         num_adapters=len({r.adapter_digest for r in requests
-                                           if r.adapter_digest is not None}))
-        seconds = cost(base)
+        shape = StepShape(num_decode_tokens=len(requests),
+                          num_context_tokens=sum(context_tokens(r.num_computed_tokens, 1)
+                                                 for r in requests),
+                          num_adapters=len({r.adapter_digest for r in requests
+                                            if r.adapter_digest is not None}))
+        seconds = cost(shape)
         if seconds <= 0.0:
             return drafts  # the model has seen no step yet: nothing to weigh
         prior = self._stats.acceptance_rate if self._stats.num_proposed_tokens \
             else PRIOR_ACCEPTANCE
-        scored = sorted(((self._expected(r, len(d), prior) / len(d), r, d) for r, d in drafts),
-                        key=lambda item: -item[0])
+        items = []  # (expected gain, which draft, its context before the token); j ascending
+        for i, (req, draft) in enumerate(drafts):
+            a = self._acceptance(req, prior)
+            for j in range(1, len(draft) + 1):
+                items.append((a ** j, i, req.num_computed_tokens + j + 1))
+        items.sort(key=lambda item: -item[0])  # stable: a draft's tokens stay in order
         tokens = float(len(requests))
-        extra_tokens = extra_context = 0
-        chosen = []
-        for rate, req, draft in scored:
-            gain = rate * len(draft)
-            shape = StepShape(
-                base.num_prefill_tokens, base.num_decode_tokens + extra_tokens + len(draft),
-                base.num_context_tokens + extra_context
-                + context_tokens(req.num_computed_tokens, 1 + len(draft))
-                - context_tokens(req.num_computed_tokens, 1), base.num_adapters)
-            after = cost(shape)
+        kept = [0] * len(drafts)
+        for gain, i, keys in items:
+            after_shape = StepShape(shape.num_prefill_tokens, shape.num_decode_tokens + 1,
+                                    shape.num_context_tokens + keys, shape.num_adapters)
+            after = cost(after_shape)
             if after > 0 and (tokens + gain) / after <= tokens / seconds:
-                break  # the best remaining draft does not pay: nor do the rest
-            tokens += gain
-            seconds = after
-            extra_tokens = shape.num_decode_tokens - base.num_decode_tokens
-            extra_context = shape.num_context_tokens - base.num_context_tokens
-            chosen.append((req, draft))
-        return chosen
+                break  # the best remaining token does not pay: nor does any after it
+            tokens, seconds, shape = tokens + gain, after, after_shape
+            kept[i] += 1
+        return [(req, draft[:n]) for (req, draft), n in zip(drafts, kept) if n]
 
     @staticmethod
-    def _expected(req: Request, num_draft: int, prior: float) -> float:
-        """Expected accepted tokens of a draft: ``a + a^2 + ... + a^d`` for the request's own
-        per-token acceptance ``a`` (``prior`` before it has any)."""
+    def _acceptance(req: Request, prior: float) -> float:
+        """The request's own per-token acceptance so far (``prior`` before it has any)."""
         state = req.spec
-        a = state.acceptance_rate if state is not None and state.num_proposed else prior
-        return sum(a ** j for j in range(1, num_draft + 1))
+        return state.acceptance_rate if state is not None and state.num_proposed else prior
 
     @staticmethod
     def generator_state(req: Request) -> torch.Tensor | None:
