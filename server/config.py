@@ -172,6 +172,9 @@ class EngineConfig:
     speculative_ngram_max: int = setting(
         4, "speculative decoding (ngram): the longest suffix matched (longest first)",
         unit="tokens")
+    speculative_cost_gate: bool = setting(
+        True, "speculative decoding: verify only the draft tokens the step cost model "
+        "(calibrated at start) expects to pay in their step; off, every draft is verified")
 
     def __post_init__(self) -> None:
         if self.speculative_method not in SPECULATIVE_METHODS:

@@ -39,6 +39,7 @@ from loraplex.server.engine.request import (
 )
 from loraplex.server.engine.sampler import SamplingMetadata, draw_uniform, sample
 from loraplex.server.engine.scheduler import Scheduler
+from loraplex.server.engine.spec.speculator import Speculator, roll_back
 from loraplex.server.engine.stats import EngineStats, collect_stats
 from loraplex.server.engine.step_cost import StepCostModel, StepTimer
 from loraplex.server.engine.structured import GrammarService
@@ -116,8 +117,15 @@ class Engine:
                                             config.share_prefix_across_tenants)
         target_s = config.scheduler.target_itl_ms / 1000.0
         self.step_timer = StepTimer(StepCostModel(), target_s)
+        self.speculator: Speculator | None = None
+        if config.speculative_method == "ngram":
+            self.speculator = Speculator(config.num_speculative_tokens,
+                                         config.speculative_ngram_min,
+                                         config.speculative_ngram_max, self.max_model_len,
+                                         cost_gate=config.speculative_cost_gate)
         self.scheduler = Scheduler(config.scheduler, self.pager, self.adapters,
-                                   self.prefix_cache, cost=self.step_timer.model.predict)
+                                   self.prefix_cache, cost=self.step_timer.model.predict,
+                                   speculator=self.speculator)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -144,7 +152,8 @@ class Engine:
             self.warmup()
             if self.parallel is not None:
                 self.parallel.group.wait_ready()  # until every rank has warmed up too
-        if target_s > 0 and self.parallel is None:
+        gate = self.speculator is not None and config.speculative_cost_gate
+        if (target_s > 0 or gate) and self.parallel is None:
             # With tensor parallelism the cost model learns from live steps only: a
             # calibration step would have to run on every rank.
             calibrate(self.runner, self.pager, self.step_timer.model,
@@ -385,6 +394,8 @@ class Engine:
             self.step_timer.record(batch.shape, time.perf_counter() - start)
             return outputs
         mask_errors: dict[int, str] = {}  # rows whose grammar allows no token, and why
+        # A sampled request verifying a draft draws a uniform per row: rewound after.
+        states = {id(r): Speculator.generator_state(r) for r in sampling if r.draft_token_ids}
         try:
             metadata = SamplingMetadata.from_requests(sampling, self.model_config.vocab_size,
                                                       self.eos_token_ids, run.logits.device)
@@ -398,12 +409,23 @@ class Engine:
                 outputs.append(self._fail(req, f"internal error in sampling: {exc}", log=False))
             return outputs
         failed = set(result.failed_rows)
-        for row, req in enumerate(sampling):
-            if row in failed:
-                outputs.append(self._fail(req, mask_errors.get(row, SAMPLING_FAILED), log=False))
+        row = 0
+        while row < len(sampling):
+            req = sampling[row]
+            own = range(row, row + 1 + len(req.draft_token_ids))  # 1 + d when verifying
+            row = own.stop
+            bad = next((r for r in own if r in failed), None)
+            if bad is not None:
+                req.draft_token_ids = []
+                outputs.append(self._fail(req, mask_errors.get(bad, SAMPLING_FAILED), log=False))
                 continue
             try:
-                out = self._append_token(req, result.token_ids[row], result.logprobs[row])
+                if len(own) > 1 and self.speculator is not None:
+                    outputs.append(self._verify(self.speculator, req, own, result.token_ids,
+                                                result.logprobs, states.get(id(req))))
+                    continue
+                out = self._append_token(req, result.token_ids[own[0]],
+                                         result.logprobs[own[0]])
                 if req.grammar is not None and not out.finished:
                     out = self._jump_forward(req, out)
                 outputs.append(out)
@@ -412,8 +434,33 @@ class Engine:
         self.step_timer.record(batch.shape, time.perf_counter() - start)
         return outputs
 
+    def _verify(self, speculator: Speculator, req: Request, rows: range,
+                token_ids: list[int], logprobs: list[TokenLogprob | None],
+                state: torch.Tensor | None) -> RequestOutput:
+        """Speculation: accept ``req``'s draft against its ``1 + d`` rows, append the tokens
+        one by one (a stop, EOS or length inside the run ends it there), and roll back the
+        KV of the rejected tail (count and pages); the kept pages go to the prefix cache."""
+        verdict = speculator.verify(req, [token_ids[r] for r in rows], state)
+        out = self._append_token(req, verdict.token_ids[0], logprobs[rows[0]])
+        for j, token in enumerate(verdict.token_ids[1:], 1):
+            if out.finished:
+                return out
+            nxt = self._append_token(req, token, logprobs[rows[j]])
+            out = replace(nxt, new_token_ids=out.new_token_ids + nxt.new_token_ids,
+                          new_text=out.new_text + nxt.new_text,
+                          logprobs=out.logprobs + nxt.logprobs,
+                          prompt_logprobs=out.prompt_logprobs)
+        if out.finished:
+            return out
+        roll_back(req, req.num_computed_tokens + verdict.num_accepted, self.config.page_size,
+                  self.pager)
+        if self.prefix_cache is not None:
+            self.prefix_cache.register(req)
+        return out
+
     def _advance(self, req: Request, num_new_tokens: int, now: float) -> None:
-        req.num_computed_tokens += num_new_tokens
+        # A draft's positions count as computed only once verified (``_verify``).
+        req.num_computed_tokens += num_new_tokens - len(req.draft_token_ids)
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
         if self.prefix_cache is not None:
@@ -558,4 +605,5 @@ class Engine:
 
     def stats(self) -> EngineStats:
         return collect_stats(self.scheduler, self.pager, self._num_steps, self.step_timer,
-                             self.adapters, self.prefix_cache, self.grammars)
+                             self.adapters, self.prefix_cache, self.grammars,
+                             self.speculator.stats() if self.speculator is not None else None)

@@ -22,6 +22,7 @@ from loraplex.server.engine.fairness import VirtualTokenCounter
 from loraplex.server.engine.pager import Pager
 from loraplex.server.engine.prefix_cache import PrefixCache
 from loraplex.server.engine.request import Request, RequestStatus
+from loraplex.server.engine.spec.speculator import Speculator
 from loraplex.server.engine.step_cost import StepShape, StepShapeBuilder
 
 StepCost = Callable[[StepShape], float]  # predicted seconds of a step of that shape
@@ -67,8 +68,8 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, pager: Pager,
                  gate: AdmissionGate | None = None,
-                 prefix_cache: PrefixCache | None = None, cost: StepCost | None = None
-                 ) -> None:
+                 prefix_cache: PrefixCache | None = None, cost: StepCost | None = None,
+                 speculator: Speculator | None = None) -> None:
         """An empty scheduler (nothing waiting, nothing running).
 
         Args:
@@ -79,6 +80,8 @@ class Scheduler:
             cost: predicted seconds of a step of a given shape (``StepCostModel.predict``);
                 with ``target_itl_ms`` it sizes each step's prefill. The scheduler itself
                 reads no clock.
+            speculator: speculative decoding, if on: each step's decode requests get their
+                drafts first, and compute ``1 + d`` tokens (``Request.draft_token_ids``).
         """
         self.config = config
         self._cost = cost
@@ -91,6 +94,7 @@ class Scheduler:
         if config.scheduling == "vtc":
             self.vtc = VirtualTokenCounter(config.vtc_input_weight, config.vtc_output_weight,
                                            dict(config.tenant_weights))
+        self.speculator = speculator
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -135,9 +139,12 @@ class Scheduler:
         return max(-(-num_tokens // self.config.page_size) - len(request.page_ids), 0)
 
     def _chunk(self, request: Request, budget: int) -> int:
-        n = min(request.num_tokens - request.num_computed_tokens, budget)
+        draft = request.draft_token_ids
+        n = min(request.num_tokens + len(draft) - request.num_computed_tokens, budget)
         if self.config.long_prefill_token_threshold:
             n = min(n, self.config.long_prefill_token_threshold)
+        if draft:
+            del draft[max(n - 1, 0):]  # a draft cut by the budget verifies what fits
         return n
 
     def _decoding(self, request: Request) -> bool:
@@ -191,6 +198,11 @@ class Scheduler:
         of every request ahead of it, as long as the decodes leave room in the token budget
         and the pager and ``max_num_seqs`` admit it (preemption restarts the count).
         """
+        if self.speculator is not None:
+            # Drafts first (they size the decode rows); a request whose draft was dropped
+            # below (pages, budget) verifies less or nothing, and decodes one token.
+            self.speculator.draft([r for r in self.running if r.num_output_tokens
+                                   and r.num_computed_tokens == r.num_tokens - 1], self._cost)
         budget = self.config.max_num_batched_tokens
         scheduled: list[Request] = []
         counts: list[int] = []
@@ -227,8 +239,14 @@ class Scheduler:
                 if n <= 0:
                     i += 1  # no room for this prompt's chunk; the decodes behind it still go
                     continue
+            del req.draft_token_ids[max(n - 1, 0):]  # what the budget left of a draft
             need = self._pages_for(req, req.num_computed_tokens + n)
             shared = self._shared_tail(req)
+            if req.draft_token_ids and not self.pager.can_allocate(need + (shared is not None)):
+                # A draft never preempts anyone: without room for it, decode one token.
+                req.draft_token_ids = []
+                n = 1
+                need = self._pages_for(req, req.num_computed_tokens + n)
             while not self.pager.can_allocate(need + (shared is not None)):
                 victim = self.running.pop()  # the newest running request
                 if victim.request_id in held:
@@ -329,6 +347,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         # Recompute: drop the KV, keep the tokens; the request re-enters at the queue's head.
+        request.draft_token_ids = []
         self._release(request, finished=False)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING

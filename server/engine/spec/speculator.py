@@ -63,12 +63,16 @@ class Speculator:
         num_speculative_tokens: the most draft tokens per request and step.
         ngram_min / ngram_max: the prompt-lookup proposer's n-gram sizes.
         max_model_len: the context; a draft never reaches past it.
+        cost_gate: weigh each draft token against the step cost model (``draft``); off,
+            every draft is verified.
         proposer: another proposer (default: n-gram prompt lookup).
     """
 
     def __init__(self, num_speculative_tokens: int, ngram_min: int, ngram_max: int,
-                 max_model_len: int, proposer: Proposer | None = None) -> None:
+                 max_model_len: int, cost_gate: bool = True, proposer: Proposer | None = None
+                 ) -> None:
         self.max_k = num_speculative_tokens
+        self.cost_gate = cost_gate
         self.max_model_len = max_model_len
         self.proposer: Proposer = proposer or NgramProposer(ngram_min, ngram_max)
         self._stats = SpecStats()
@@ -112,7 +116,8 @@ class Speculator:
             return
         drafts = self.proposer.propose([r.spec.context for r in wanted if r.spec is not None],
                                        [r.all_token_ids for r in wanted], ks)
-        chosen = self._gate(requests, list(zip(wanted, drafts)), cost)
+        chosen = self._gate(requests, list(zip(wanted, drafts)),
+                            cost if self.cost_gate else None)
         for req, draft in chosen:
             req.draft_token_ids = draft
         gated = sum(len(d) for _, d in zip(wanted, drafts)) - sum(len(d) for _, d in chosen)
