@@ -437,25 +437,32 @@ class Engine:
     def _verify(self, speculator: Speculator, req: Request, rows: range,
                 token_ids: list[int], logprobs: list[TokenLogprob | None],
                 state: torch.Tensor | None) -> RequestOutput:
-        """Speculation: accept ``req``'s draft against its ``1 + d`` rows, append the tokens
-        one by one (a stop, EOS or length inside the run ends it there), and roll back the
-        KV of the rejected tail (count and pages); the kept pages go to the prefix cache."""
+        """Speculation: accept ``req``'s draft against its ``1 + d`` rows and append the
+        tokens one by one (a stop, EOS or length inside the run ends it there); the KV of
+        the rejected tail is rolled back (count and pages).
+
+        Invariant: before token ``j`` is appended, the computed count is that of the
+        positions whose KV this step left valid among the known tokens, and the prefix
+        cache has seen them, so the pages offered and kept are those of decoding without
+        speculation."""
         verdict = speculator.verify(req, [token_ids[r] for r in rows], state)
-        out = self._append_token(req, verdict.token_ids[0], logprobs[rows[0]])
-        for j, token in enumerate(verdict.token_ids[1:], 1):
+        base, accepted = req.num_computed_tokens, verdict.num_accepted
+        out: RequestOutput | None = None
+        for j, token in enumerate(verdict.token_ids):
+            if j:
+                req.num_computed_tokens = base + min(j, accepted)
+                if self.prefix_cache is not None:
+                    self.prefix_cache.register(req)
+            nxt = self._append_token(req, token, logprobs[rows[j]])
+            out = nxt if out is None else replace(
+                nxt, new_token_ids=out.new_token_ids + nxt.new_token_ids,
+                new_text=out.new_text + nxt.new_text, logprobs=out.logprobs + nxt.logprobs,
+                prompt_logprobs=out.prompt_logprobs)
             if out.finished:
                 return out
-            nxt = self._append_token(req, token, logprobs[rows[j]])
-            out = replace(nxt, new_token_ids=out.new_token_ids + nxt.new_token_ids,
-                          new_text=out.new_text + nxt.new_text,
-                          logprobs=out.logprobs + nxt.logprobs,
-                          prompt_logprobs=out.prompt_logprobs)
-        if out.finished:
-            return out
-        roll_back(req, req.num_computed_tokens + verdict.num_accepted, self.config.page_size,
-                  self.pager)
-        if self.prefix_cache is not None:
-            self.prefix_cache.register(req)
+        roll_back(req, base + accepted, self.config.page_size, self.pager)
+        if out is None:
+            raise ValueError("verification appended no token")
         return out
 
     def _advance(self, req: Request, num_new_tokens: int, now: float) -> None:

@@ -1,0 +1,162 @@
+"""Speculative decoding in the engine: greedy tokens equal peft's (and speculation off's) for
+mixed adapters and base requests with preemption and prefix caching; seeded sampled tokens
+equal speculation off's and repeat; rejected slots roll back (pages and counts)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from loraplex.adapter_store.format import load_adapter
+from loraplex.server.config import EngineConfig, SchedulerConfig
+from loraplex.server.engine.engine import Engine
+from loraplex.server.engine.models.config import ModelConfig
+from loraplex.server.engine.request import SamplingParams
+from tests.engine.test_lora_parity import LoadedSource
+from tests.helpers import make_model, make_peft_adapters, peft_greedy, random_prompts
+
+PAGE = 4
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec")
+    model = make_model(root / "model", "llama", seed=21)
+    paths = make_peft_adapters(model, root / "adapters")
+    config = ModelConfig.from_pretrained(model)
+    adapters = {name: load_adapter(p, config) for name, p in paths.items()}
+    names = list(paths) + [None, None, None, None]  # 8 adapters (ranks 1..64), 4 base
+    spans = random_prompts(len(names), seed=31, low=4, high=14)
+    # Even requests repeat a span (drafts hit the prompt); odd ones are random (they hit only
+    # where the output repeats itself).
+    prompts = [s + s + s[:3] if i % 2 == 0 else s for i, s in enumerate(spans)]
+    max_tokens = [10 + (i * 3) % 7 for i in range(len(names))]
+    expected = peft_greedy(model, paths, prompts, names, max_tokens)
+    digests = [adapters[n].digest if n else None for n in names]
+    return model, adapters, prompts, digests, max_tokens, expected
+
+
+def _engine(model, adapters, method, num_pages=160, **kwargs):
+    return Engine(EngineConfig(model=str(model), num_pages=num_pages, speculative_method=method,
+                               speculative_cost_gate=False, **kwargs,
+                               scheduler=SchedulerConfig(page_size=PAGE,
+                                                         max_num_batched_tokens=16)),
+                  adapter_source=LoadedSource(adapters.values()) if adapters else None)
+
+
+def _run(engine, prompts, digests, params, arrivals):
+    """Requests added at their arrival step; after every step, every running request holds
+    exactly the pages its computed tokens fill (what it would hold without speculation)."""
+    tokens = {f"r{i}": [] for i in range(len(prompts))}
+    pending = sorted(range(len(prompts)), key=lambda i: arrivals[i])
+    step = 0
+    deadline = time.monotonic() + 180
+    while pending or engine.has_unfinished():
+        while pending and arrivals[pending[0]] <= step:
+            i = pending.pop(0)
+            engine.add_request(f"r{i}", prompts[i], params[i], adapter_digest=digests[i])
+        for out in engine.step():
+            assert out.error is None, out.error
+            tokens[out.request_id].extend(out.new_token_ids)
+        for req in engine.scheduler.running:
+            assert req.draft_token_ids == []
+            assert req.num_computed_tokens <= req.num_tokens - 1
+            assert len(req.page_ids) == -(-req.num_computed_tokens // PAGE), req.request_id
+        step += 1
+        assert time.monotonic() < deadline, "no progress in 180 s"
+    return [tokens[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_greedy_with_speculation_equals_peft_and_off(setup):
+    model, adapters, prompts, digests, max_tokens, expected = setup
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens]
+    arrivals = [(i * 2) % 5 for i in range(len(prompts))]
+    results = {}
+    for method in ("ngram", "off"):
+        # A pool that the rank-64 adapter and the batch's KV overfill: preemption and
+        # eviction; the second pass gets prefix-cache hits.
+        engine = _engine(model, adapters, method, num_pages=124)
+        first = _run(engine, prompts, digests, params, arrivals)
+        second = _run(engine, prompts, digests, params, [0] * len(prompts))
+        assert first == expected and second == expected, method
+        stats = engine.stats()
+        assert stats.num_preemptions > 0, method
+        assert sum(stats.prefix_hit_tokens.values()) > 0, method
+        results[method] = stats
+        assert stats.pages.num_kv == 0
+    spec = results["ngram"].spec
+    assert spec.num_accepted_tokens > 0 and spec.num_proposed_tokens > spec.num_accepted_tokens
+    assert spec.num_emitted_tokens == spec.num_accepted_tokens + spec.num_verifications
+    assert results["off"].spec.num_proposed_tokens == 0
+
+
+def test_rollback_leaves_the_pool_as_speculation_off(setup):
+    """Without eviction pressure, the pool after a run holds exactly what it holds with
+    speculation off: the same free pages, the same cached prefix pages."""
+    model, _, prompts, _, max_tokens, _ = setup
+    params = [SamplingParams(max_tokens=n + 8, ignore_eos=True) for n in max_tokens]
+    pools = {}
+    for method in ("ngram", "off"):
+        engine = _engine(model, {}, method, num_pages=400)
+        _run(engine, prompts, [None] * len(prompts), params, [i % 4 for i in range(12)])
+        pools[method] = engine.stats().pages
+    assert pools["ngram"] == pools["off"]
+    assert pools["off"].num_prefix > 0 and pools["off"].num_evictions == 0
+
+
+def test_sampled_with_speculation_repeats_and_equals_off(setup):
+    model, _, prompts, _, max_tokens, _ = setup
+    base = [None] * len(prompts)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=1.0, top_k=2, seed=i,
+                             logprobs=1 if i % 3 == 0 else None)
+              for i, n in enumerate(max_tokens)]
+    arrivals = [i % 3 for i in range(len(prompts))]
+    on = _engine(model, {}, "ngram")
+    first = _run(on, prompts, base, params, arrivals)
+    again = _run(on, prompts, base, params, [0] * len(prompts))
+    off = _run(_engine(model, {}, "off"), prompts, base, params, arrivals)
+    assert first == again == off
+    assert on.stats().spec.num_accepted_tokens > 0
+
+
+def test_stop_inside_an_accepted_run_ends_there(setup):
+    """A stop token anywhere in the output ends the request there, also when it comes
+    inside a verified run of several tokens: the tokens after it are never output."""
+    model, _, prompts, _, _, _ = setup
+    plain = _run(_engine(model, {}, "off"), prompts, [None] * len(prompts),
+                 [SamplingParams(max_tokens=16, ignore_eos=True)] * len(prompts),
+                 [0] * len(prompts))
+    # every (prompt, token) where the token first occurs at position k >= 1
+    cases = [(i, k) for i, full in enumerate(plain) for k in range(1, len(full))
+             if full[k] not in full[:k]]
+    engine = _engine(model, {}, "ngram")
+    for n, (i, k) in enumerate(cases):
+        engine.add_request(f"c{n}", prompts[i], SamplingParams(
+            max_tokens=16, ignore_eos=True, stop_token_ids=(plain[i][k],)))
+    tokens = {f"c{n}": [] for n in range(len(cases))}
+    multi_token_finals = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.error is None, out.error
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                assert out.finish_reason == "stop"
+                multi_token_finals += len(out.new_token_ids) > 1
+    for n, (i, k) in enumerate(cases):
+        assert tokens[f"c{n}"] == plain[i][:k + 1], (i, k)
+    assert multi_token_finals > 0  # some stops came in a run of accepted draft tokens
+    assert engine.stats().pages.num_kv == 0
+
+
+def test_no_page_leak_over_a_long_run(setup):
+    model, _, prompts, _, _, _ = setup
+    engine = _engine(model, {}, "ngram", num_pages=60, enable_prefix_caching=False)
+    params = [SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0 if i % 2 else 1.0,
+                             top_k=2, seed=i) for i in range(len(prompts))]
+    for _ in range(3):
+        _run(engine, prompts, [None] * len(prompts), params, [i for i in range(len(prompts))])
+        stats = engine.stats()
+        assert stats.pages.num_free == stats.pages.num_pages
+    assert stats.spec.num_proposed_tokens > stats.spec.num_accepted_tokens > 0
+    assert stats.num_preemptions > 0
