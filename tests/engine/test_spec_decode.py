@@ -160,3 +160,26 @@ def test_no_page_leak_over_a_long_run(setup):
         assert stats.pages.num_free == stats.pages.num_pages
     assert stats.spec.num_proposed_tokens > stats.spec.num_accepted_tokens > 0
     assert stats.num_preemptions > 0
+
+
+def test_parallel_sampling_speculates_per_sequence(setup):
+    """n > 1: each forked sequence drafts and verifies on its own (its pages shared with its
+    siblings until it writes); the tokens are speculation off's, and pages all return."""
+    model, _, prompts, _, _, _ = setup
+    outs = {}
+    for method in ("ngram", "off"):
+        engine = _engine(model, {}, method)
+        for i in (0, 2, 4):
+            engine.add_request(f"n{i}", prompts[i], SamplingParams(
+                max_tokens=20, ignore_eos=True, n=3, temperature=1.0, top_k=2, seed=i))
+        got: dict[tuple[str, int], list[int]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                assert out.error is None, out.error
+                got.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
+        outs[method] = (got, engine.stats())
+    assert outs["ngram"][0] == outs["off"][0]
+    assert len(outs["off"][0]) == 9
+    stats = outs["ngram"][1]
+    assert stats.spec.num_accepted_tokens > 0
+    assert stats.pages.num_kv == 0
