@@ -10,10 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import random
 import statistics
-import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,12 +20,11 @@ from pathlib import Path
 import torch
 
 from loraplex.loadtest.baseline import BaselineRequest
+from loraplex.loadtest.records import git_commit, provenance  # noqa: F401 (git_commit: for the scripts)
 from loraplex.server.engine.engine import Engine
 from loraplex.server.engine.models.config import ModelConfig
 from loraplex.server.engine.models.demo import (
-    BOS,
-    EOS,
-    PAD,
+    llama_hf_config,
     write_byte_tokenizer,
     write_random_llama,
 )
@@ -35,27 +32,9 @@ from loraplex.server.engine.models.llama import linear, onednn_linear_supported,
 from loraplex.server.engine.request import SamplingParams
 
 # The engine-core benchmark model: a random Llama about the size of TinyLlama's layers.
-BENCH_HF_CONFIG: dict = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 32000,
-    "hidden_size": 1024,
-    "intermediate_size": 2816,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 16,
-    "head_dim": 64,
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-    "attention_bias": False,
-    "hidden_act": "silu",
-    "bos_token_id": BOS,
-    "eos_token_id": EOS,
-    "pad_token_id": PAD,
-    "torch_dtype": "float32",
-}
+BENCH_HF_CONFIG = llama_hf_config(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                                  num_hidden_layers=8, num_attention_heads=16,
+                                  num_key_value_heads=16, head_dim=64, attention_bias=False)
 
 
 def build_model(cache_dir: Path, hf_config: dict, seed: int = 0) -> Path:
@@ -145,16 +124,20 @@ class EngineRun:
 
 
 def run_engine(engine: Engine, requests: Sequence[BaselineRequest],
-               on_step: Callable[[bool], None] | None = None) -> EngineRun:
-    """Add every request at once (greedy, EOS ignored) and step until all finish;
-    ``on_step(decode_only)`` after each step (``StepProfiler.record``)."""
+               on_step: Callable[[bool], None] | None = None,
+               digests: Sequence[str | None] | None = None) -> EngineRun:
+    """Add every request at once (greedy, EOS ignored; request ``i`` on adapter
+    ``digests[i]``, the base model without ``digests``) and step until all finish, timing
+    each step; ``on_step(decode_only)`` after each step, outside its timing
+    (``StepProfiler.record``, page samples)."""
     sched = engine.scheduler
     preemptions_before = sched.num_preemptions
     start = time.perf_counter()
     tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
-    for r in requests:
+    for i, r in enumerate(requests):
         engine.add_request(r.request_id, r.prompt_token_ids,
-                           SamplingParams(max_tokens=r.max_tokens, ignore_eos=True))
+                           SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
+                           adapter_digest=digests[i] if digests is not None else None)
     steps: list[StepTiming] = []
     while engine.has_unfinished():
         running = sched.running
@@ -260,26 +243,6 @@ def median(values: Sequence[float]) -> float:
 
 
 def machine_info(num_threads: int) -> dict:
-    """What produced the numbers: CPU, cores, threads, torch, commit."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": num_threads,
-            "torch": torch.__version__, "python": platform.python_version(),
-            "commit": git_commit()}
-
-
-def git_commit() -> str:
-    root = Path(__file__).resolve().parent.parent
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, check=True,
-                             capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=root, check=True, capture_output=True, text=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return sha + ("-dirty" if dirty.strip() else "")
+    """What produced the numbers (``loadtest.records.provenance``: CPU, cores, GPU, torch,
+    commit) with the torch threads the benchmark ran with."""
+    return {**provenance(), "torch_threads": num_threads}

@@ -73,7 +73,6 @@ from common import (  # noqa: E402
     BENCH_HF_CONFIG,
     MODEL_CHOICES,
     EngineRun,
-    StepTiming,
     bench_model,
     copy_bandwidth,
     gemm_throughput,
@@ -81,6 +80,7 @@ from common import (  # noqa: E402
     make_requests,
     pad_token_id,
 )
+from common import run_engine as common_run_engine  # noqa: E402
 from lora_report import (  # noqa: E402
     SYSTEMS,
     VLLM_SYSTEMS,
@@ -102,7 +102,6 @@ from loraplex.server import env  # noqa: E402
 from loraplex.server.config import EngineConfig, SchedulerConfig  # noqa: E402
 from loraplex.server.engine.engine import Engine  # noqa: E402
 from loraplex.server.engine.models.config import ModelConfig  # noqa: E402
-from loraplex.server.engine.request import SamplingParams  # noqa: E402
 
 RANKS = (8, 16)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -207,30 +206,15 @@ def run_engine(engine: Engine, requests: Sequence[BaselineRequest],
                ) -> tuple[EngineRun, PageSplit, dict[str, int]]:
     """``common.run_engine`` with an adapter per request, sampling ``engine.stats().pages``
     after every step (outside the step's timing); ``on_step(decode_only)`` after each step."""
-    sched = engine.scheduler
     before = engine.stats()
-    start = time.perf_counter()
-    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
-    for r, digest in zip(requests, digests):
-        engine.add_request(r.request_id, r.prompt_token_ids,
-                           SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
-                           adapter_digest=digest)
-    steps: list[StepTiming] = []
     samples = []
-    while engine.has_unfinished():
-        running = sched.running
-        decode_only = (sched.num_waiting == 0 and bool(running)
-                       and all(r.num_tokens - r.num_computed_tokens == 1 for r in running))
-        t0, cpu0 = time.perf_counter(), time.process_time()
-        outputs = engine.step()
-        steps.append(StepTiming(time.perf_counter() - t0, time.process_time() - cpu0,
-                                len(running) if decode_only else 0))
+
+    def after_step(decode_only: bool) -> None:
         if on_step is not None:
             on_step(decode_only)
-        for out in outputs:
-            tokens[out.request_id].extend(out.new_token_ids)
         samples.append(engine.stats().pages)
-    wall = time.perf_counter() - start
+
+    run = common_run_engine(engine, requests, after_step, digests=digests)
     after = engine.stats()
     kv = [p.num_kv for p in samples]
     ad = [p.num_adapter for p in samples]
@@ -241,7 +225,7 @@ def run_engine(engine: Engine, requests: Sequence[BaselineRequest],
     counters = {k: getattr(after, k) - getattr(before, k)
                 for k in ("adapter_loads", "device_misses", "adapter_evictions",
                           "num_preemptions")}
-    return EngineRun(tokens, wall, steps, counters["num_preemptions"]), split, counters
+    return run, split, counters
 
 
 def prefetch(engine: Engine, digests: set[str], timeout_s: float = 120.0) -> None:

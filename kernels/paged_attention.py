@@ -53,6 +53,44 @@ def _kv_offsets(table_row, j, j_mask, kv_head, stride_page,
     return page.to(tl.int64) * stride_page + (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM
 
 
+@triton.jit
+def _online_softmax(q, pool_ptr, table_row, kv_head, stride_page, k_begin, k_end, pos,
+                    scale_log2, d, d_mask, ROWS: tl.constexpr, CAUSAL: tl.constexpr,
+                    PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+    """Flash attention's loop over keys ``k_begin .. k_end`` of one sequence and KV head, in
+    tiles of ``BLOCK_N`` read through the page table: returns the running max ``m`` (log2
+    units), the softmax sum ``l`` (both ``[ROWS]``) and the unnormalised output ``acc``
+    (``[ROWS, BLOCK_D]``), all float32. ``q`` is ``[ROWS, BLOCK_D]``; with ``CAUSAL``, row
+    ``r`` sees keys ``0 .. pos[r]`` only (``pos`` is unused otherwise)."""
+    m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    for j0 in range(k_begin, k_end, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        j_mask = j < k_end
+        offs = _kv_offsets(table_row, j, j_mask, kv_head, stride_page,
+                           PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        kv_mask = j_mask[:, None] & d_mask[None, :]
+        k = tl.load(pool_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(pool_ptr + offs[:, None] + PAGE_SIZE * NUM_KV_HEADS * HEAD_DIM + d[None, :],
+                    mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if CAUSAL:
+            # key 0 is in the first tile and visible to every row, so no row's max stays -inf
+            qk = tl.where((j[None, :] <= pos[:, None]) & j_mask[None, :], qk, float("-inf"))
+        else:
+            qk = tl.where(j_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m, tl.max(qk, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+    return m, l, acc
+
+
 # Arguments that follow the batch are not specialised (on == 1 or % 16), so that their values
 # never pick a compiled variant (buckets.py); the others follow the model and the config.
 @triton.jit(do_not_specialize=("keys_per_split", "num_splits", "stride_table"))
@@ -80,26 +118,9 @@ def _decode_kernel(
     table_row = table_ptr + s.to(tl.int64) * stride_table
     k_begin = split * keys_per_split
     k_end = tl.where(is_decode, tl.minimum(seq_len, k_begin + keys_per_split), 0)
-    m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    for j0 in range(k_begin, k_end, BLOCK_N):
-        j = j0 + tl.arange(0, BLOCK_N)
-        j_mask = j < k_end
-        offs = _kv_offsets(table_row, j, j_mask, kv_head, stride_page,
-                           PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
-        kv_mask = j_mask[:, None] & d_mask[None, :]
-        k = tl.load(pool_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(pool_ptr + offs[:, None] + PAGE_SIZE * NUM_KV_HEADS * HEAD_DIM + d[None, :],
-                    mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        qk = tl.where(j_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m, tl.max(qk, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
+    m, l, acc = _online_softmax(
+        q, pool_ptr, table_row, kv_head, stride_page, k_begin, k_end, g, scale_log2, d, d_mask,
+        BLOCK_G, False, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     if not SPLIT:
         o_ptrs = out_ptr + q_row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
@@ -165,27 +186,9 @@ def _prefill_kernel(
     pos = seq_len - q_len + i  # each query's position; it sees keys 0 .. pos
     table_row = table_ptr + s.to(tl.int64) * stride_table
     k_end = tl.where(active, tl.minimum(seq_len, seq_len - q_len + m0 + BLOCK_M), 0)
-    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for j0 in range(0, k_end, BLOCK_N):
-        j = j0 + tl.arange(0, BLOCK_N)
-        j_mask = j < k_end
-        offs = _kv_offsets(table_row, j, j_mask, kv_head, stride_page,
-                           PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
-        kv_mask = j_mask[:, None] & d_mask[None, :]
-        k = tl.load(pool_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(pool_ptr + offs[:, None] + PAGE_SIZE * NUM_KV_HEADS * HEAD_DIM + d[None, :],
-                    mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        # key 0 is in the first tile and visible to every row, so no row's max stays -inf
-        qk = tl.where((j[None, :] <= pos[:, None]) & j_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m, tl.max(qk, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
+    m, l, acc = _online_softmax(
+        q, pool_ptr, table_row, kv_head, stride_page, 0, k_end, pos, scale_log2, d, d_mask,
+        BLOCK_M, True, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     o_rows = (q_start + i).to(tl.int64) * stride_ot + head * stride_oh
     tl.store(out_ptr + o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),

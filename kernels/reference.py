@@ -1,14 +1,10 @@
-"""Plain-torch versions of every kernel: the CPU path of the engine and the oracle the Triton
-kernels are tested against. Signatures match the Triton launchers one to one."""
+"""Plain-torch versions of every kernel: the oracle that the Triton kernels and the tuned CPU
+path (``kernels/cpu.py``) are tested against. Signatures match the Triton launchers one to one;
+each op is the math of its docstring, written to be read, not to be fast."""
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Sequence
-from typing import NamedTuple
-
 import torch
-import torch.nn.functional as F
 
 from loraplex.kernels.metadata import AttentionMetadata
 
@@ -55,138 +51,24 @@ def paged_attention(q: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetad
         ``[T, num_heads, head_dim]`` in ``q``'s dtype.
     """
     pool = kv_view(kv_pool, page_size, num_kv_heads)
-    out = torch.empty_like(q)
-    starts = list(itertools.accumulate(meta.q_lens, initial=0))
-    decode_rows = [s for s, n in enumerate(meta.q_lens) if n == 1]
-    if decode_rows:
-        _decode(q, pool, meta, decode_rows, starts, out, scale)
-    for s, n in enumerate(meta.q_lens):
-        if n > 1:
-            rows = slice(starts[s], starts[s] + n)
-            out[rows] = _prefill_one(q[rows], pool, meta.page_table[s],
-                                     meta.seq_lens_host[s], scale)
-    return out
-
-
-def _gather_kv(pool: torch.Tensor, pages: torch.Tensor, length: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    # pages: [..., n_pages] -> K, V: [..., n_pages * P, Hkv, D] truncated to length.
-    # Gathering the K and V halves of the pages separately copies each token once, and the
-    # copied pages are contiguous, so merging pages with in-page positions is a view.
-    page_size = pool.shape[2]
-    flat = pages.reshape(-1)
-    shape = (*pages.shape[:-1], pages.shape[-1] * page_size, *pool.shape[3:])
-    k = pool[:, 0].index_select(0, flat).view(shape)[..., :length, :, :]
-    v = pool[:, 1].index_select(0, flat).view(shape)[..., :length, :, :]
-    return k, v
-
-
-def _prefill_one(q: torch.Tensor, pool: torch.Tensor, pages: torch.Tensor, seq_len: int,
-                 scale: float) -> torch.Tensor:
-    n, num_heads, head_dim = q.shape
-    page_size, num_kv_heads = pool.shape[2], pool.shape[3]
-    k, v = _gather_kv(pool, pages[: -(-seq_len // page_size)], seq_len)  # [L, Hkv, D]
-    group = num_heads // num_kv_heads
-    qh = q.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
-    # 4-d inputs take torch's fused (flash) CPU kernel; the query groups of a KV head are
-    # folded into the query length, so K/V are never repeated per query head.
-    qh = qh.reshape(1, num_kv_heads, group * n, head_dim)
-    kh, vh = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, L, D]
-    if group == 1 and n == seq_len:  # the whole sequence: plain causal, no mask to read
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
-    else:
-        q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [n, L]
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask.repeat(group, 1),
-                                           scale=scale)  # [1, Hkv, G*n, D]
-    return o.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(
-        n, num_heads, head_dim)
-
-
-# Decode sequences are attended in groups of this many, sorted by length, so that padding each
-# group to its longest sequence wastes little memory traffic.
-_DECODE_GROUP = 16
-
-
-class _DecodeGroup(NamedTuple):
-    tokens: torch.Tensor  # [S] rows of q and out
-    k_rows: torch.Tensor  # [S * Hkv * L] K rows of the pool seen as [rows, D]
-    v_rows: torch.Tensor  # [S * Hq * L] V rows, a run of L per (sequence, query head)
-    bags: torch.Tensor  # [S * Hq] where each run starts in v_rows
-    pad: torch.Tensor | None  # [S, 1, L] True past a sequence's end
-    max_len: int
-
-
-def _decode(q: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadata, rows: list[int],
-            starts: list[int], out: torch.Tensor, scale: float) -> None:
-    # Decode reads every cached token once per layer for one query each: it is bound by memory
-    # traffic, not FLOPs. So K is gathered head-major ([seq, head, pos, D], one copy of each
-    # row) for a batched matmul, and probs @ V is one weighted sum of V rows per (sequence,
-    # query head) that embedding_bag reads in place, rather than gathering K/V per page for
-    # SDPA, which reads strided K/V slowly (in bf16 above all) or needs a transposing copy.
-    page_size, num_kv_heads, head_dim = pool.shape[2], pool.shape[3], pool.shape[4]
     group = q.shape[1] // num_kv_heads
-    key = ("reference.decode", page_size, num_kv_heads, group)
-    plan = meta.derived.get(key)
-    if plan is None:  # the first layer of the step; the others reuse the indices
-        plan = meta.derived[key] = _decode_plan(meta, rows, starts, page_size, num_kv_heads,
-                                                group)
-    flat = pool.view(-1, head_dim)
-    # One K buffer per step for every group and layer: fresh multi-MB tensors cost page faults
-    # that can take longer than the copy itself.
-    buf_key = ("reference.decode.k", flat.dtype)
-    k_buf = meta.derived.get(buf_key)
-    if k_buf is None:
-        k_buf = meta.derived[buf_key] = flat.new_empty(max(g.k_rows.numel() for g in plan),
-                                                       head_dim)
-    for g in plan:
-        num_seqs = g.tokens.numel()
-        k = torch.index_select(flat, 0, g.k_rows, out=k_buf[:g.k_rows.numel()])
-        k = k.view(num_seqs * num_kv_heads, g.max_len, head_dim)
-        qg = q.index_select(0, g.tokens).view(num_seqs * num_kv_heads, group, head_dim)
-        scores = torch.bmm(qg, k.transpose(1, 2)).float().mul_(scale)  # [S * Hkv, G, L]
-        if g.pad is not None:
-            scores.view(num_seqs, -1, g.max_len).masked_fill_(g.pad, float("-inf"))
-        probs = scores.softmax(-1).to(q.dtype)
-        o = F.embedding_bag(g.v_rows, flat, g.bags, mode="sum",
-                            per_sample_weights=probs.reshape(-1),
-                            padding_idx=_SKIPPED_ROW)  # [S * Hq, D]
-        out.index_copy_(0, g.tokens, o.view(num_seqs, -1, head_dim))
-
-
-_SKIPPED_ROW = 0  # the V row padded decode positions read (see _decode_plan)
-
-
-def _decode_plan(meta: AttentionMetadata, rows: list[int], starts: list[int], page_size: int,
-                 num_kv_heads: int, group: int) -> list[_DecodeGroup]:
-    device = meta.page_table.device
-    heads = torch.arange(num_kv_heads, device=device)
-    order = sorted(rows, key=lambda s: meta.seq_lens_host[s])
-    plan = []
-    for i in range(0, len(order), _DECODE_GROUP):
-        seqs = order[i:i + _DECODE_GROUP]
-        lens = [meta.seq_lens_host[s] for s in seqs]
-        max_len = lens[-1]
-        pos = torch.arange(max_len, device=device)
-        # Row of (page, K, pos, head 0) in the pool seen as [rows, D]; V rows follow P*Hkv
-        # later. Past a sequence's end, positions read its table's padding (page 0), masked.
-        pages = meta.page_table[torch.tensor(seqs, device=device)][:, pos // page_size]
-        first = (pages.long() * 2 * page_size + pos % page_size) * num_kv_heads  # [S, L]
-        k_rows = (first[:, None, :] + heads[None, :, None]).reshape(-1)
-        v_rows = (k_rows + page_size * num_kv_heads).view(len(seqs), num_kv_heads, 1, max_len)
-        pad = None
-        if lens[0] < max_len:
-            pad = (pos[None, :] >= torch.tensor(lens, device=device)[:, None])[:, None, :]
-            # Weight 0 does not hide NaN or inf a stale slot may hold (0 * NaN is NaN): padded
-            # positions read row 0 instead, which embedding_bag skips (padding_idx). Row 0 is a
-            # K row (page 0, K half), never a V row, so no real V row is skipped.
-            v_rows = v_rows.masked_fill(pad[:, :, None, :], _SKIPPED_ROW)
-        v_rows = v_rows.expand(-1, -1, group, -1).reshape(-1)
-        plan.append(_DecodeGroup(
-            tokens=torch.tensor([starts[s] for s in seqs], device=device), k_rows=k_rows,
-            v_rows=v_rows, bags=torch.arange(0, v_rows.numel(), max_len, device=device),
-            pad=pad, max_len=max_len))
-    return plan
+    out = torch.empty_like(q)
+    start = 0
+    for s, n in enumerate(meta.q_lens):
+        length = meta.seq_lens_host[s]
+        pages = meta.page_table[s, : -(-length // page_size)].long()
+        k = pool[pages, 0].reshape(-1, num_kv_heads, pool.shape[-1])[:length]  # [L, Hkv, D]
+        v = pool[pages, 1].reshape(-1, num_kv_heads, pool.shape[-1])[:length]
+        k = k.float().repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = v.float().repeat_interleave(group, dim=1)
+        qs = q[start:start + n].float()  # [n, Hq, D]
+        scores = torch.einsum("qhd,khd->hqk", qs, k) * scale  # [Hq, n, L]
+        q_pos = torch.arange(length - n, length, device=q.device)[:, None]
+        future = torch.arange(length, device=q.device)[None, :] > q_pos  # [n, L]
+        probs = scores.masked_fill(future, float("-inf")).softmax(-1)
+        out[start:start + n] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+        start += n
+    return out
 
 
 def region_rows(pool: torch.Tensor, pages: torch.Tensor, offset: int, num_rows: int,
@@ -290,83 +172,3 @@ def lora_expand(h: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor,
         bt = region_rows(pool, page_table[s], offset, rank, y.shape[1])  # [r, d_out]
         delta = h[lo:hi, :rank].to(pool.dtype).float() @ bt.float()  # [rows, d_out]
         y[lo:hi] = (y[lo:hi].float() + scale_list[s] * delta).to(y.dtype)
-
-
-class ModuleBlocks(NamedTuple):
-    """One target module of one adapter in one layer, its blocks already resolved."""
-
-    start: int  # first column of the module's slice of ``y``
-    end: int
-    a_t: torch.Tensor  # [d_in, r]: A transposed (a view of the region, or a copy across pages)
-    bt: torch.Tensor  # [r, d_out]: B transposed
-
-
-class SegmentBlocks(NamedTuple):
-    """A segment's rows, its adapter's scale, and the blocks of the modules it targets."""
-
-    lo: int
-    hi: int
-    scale: float
-    modules: Sequence[ModuleBlocks]
-
-
-def lora_segments(x: torch.Tensor, y: torch.Tensor, segments: Sequence[SegmentBlocks]) -> None:
-    """``lora_shrink`` then ``lora_expand`` for every module of a fused projection, with each
-    adapter's blocks resolved beforehand: the engine's CPU path.
-
-    Semantics, for each segment ``s`` and each of its modules ``m``:
-    ``y[lo:hi, start:end] += scale * (x[lo:hi] @ A^T).to(dtype) @ BT`` with the products
-    accumulated in float32: the arithmetic of the two ops above, bit for bit in half
-    precision; in float32 the expand is one ``addmm`` (a few ulp apart: another summation
-    order, the scaled add fused), 25% less time per decode step than mm, mul and add.
-
-    Mixed precision (half-precision ``x`` and ``y``, float32 blocks: the engine's bf16 CPU path,
-    which keeps float32 copies of its adapters' blocks): each segment's rows of ``x`` are
-    widened once, every product runs in float32, and ``y`` gets each module's delta rounded
-    once per element;
-    ``h`` is *not* rounded to half precision (the reference above rounds it), so the result is
-    within half precision's last bit of the references, not equal. On CPU this is 2.5-3x faster
-    than half-precision products: oneDNN's bf16 GEMM has a large fixed cost at LoRA's tiny
-    shapes (rank 8-16), float32 GEMM does not.
-
-    Resolving the blocks once per adapter (``region_rows``, a view when a block lies in one
-    page) and visiting segments rather than modules leaves two matrix multiplies per segment
-    and module: on CPU their fixed cost (about 5 us each), not the arithmetic, is most of what
-    LoRA costs in a decode step.
-
-    Args:
-        x: ``[T, d_in]``, rows grouped by segment.
-        y: ``[T, d_out_total]``, the fused projection's output, updated in place.
-        segments: the segments of rank > 0; rows of no segment are not touched.
-    """
-    if x.dtype == torch.float32:
-        for seg in segments:
-            xs, ys = x[seg.lo:seg.hi], y[seg.lo:seg.hi]
-            for m in seg.modules:
-                ys[:, m.start:m.end].addmm_(torch.mm(xs, m.a_t), m.bt, alpha=seg.scale)
-        return
-    if all(m.a_t.dtype == torch.float32 for seg in segments for m in seg.modules):
-        _lora_segments_widened(x, y, segments)
-        return
-    for seg in segments:
-        xs, ys = x[seg.lo:seg.hi], y[seg.lo:seg.hi]
-        for m in seg.modules:
-            h = (xs.float() @ m.a_t.float()).to(m.bt.dtype)
-            delta = h.float() @ m.bt.float()
-            out = ys[:, m.start:m.end]
-            out.copy_(out.float() + seg.scale * delta)
-
-
-def _lora_segments_widened(x: torch.Tensor, y: torch.Tensor,
-                           segments: Sequence[SegmentBlocks]) -> None:
-    """``lora_segments`` on half-precision ``x`` / ``y`` with float32 blocks (see there).
-
-    Segment by segment, so that the float32 temporaries (the segment's rows of ``x`` widened,
-    each module's product) stay cache-sized: one float32 delta over a whole prefill chunk
-    (2048 x 3072) made the bf16 LoRA cost as much as the base GEMMs (memory traffic).
-    """
-    for seg in segments:
-        xs, ys = x[seg.lo:seg.hi].float(), y[seg.lo:seg.hi]  # [rows, d_in] float32
-        for m in seg.modules:
-            # in place on bf16 with a float32 operand: the sum runs in float32, rounded once
-            ys[:, m.start:m.end].add_(torch.mm(torch.mm(xs, m.a_t), m.bt), alpha=seg.scale)

@@ -143,10 +143,12 @@ def provenance() -> dict:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"cpu": cpu, "cores": os.cpu_count(), "gpu": gpu, "python": platform.python_version(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "commit": _git_commit()}
+            "commit": git_commit()}
 
 
-def _git_commit() -> str:
+def git_commit() -> str:
+    """The checkout's short commit, ``-dirty`` if tracked files changed; ``unknown`` outside
+    a git checkout (what every benchmark and load-test report records)."""
     root = Path(__file__).resolve().parent.parent
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, check=True,

@@ -7,7 +7,7 @@
 #      --kernels triton against peft, the CUDA warm-up tests: every variant compiled at start
 #      and no new binary while serving; the pool sized after a profiling pass; bf16 and
 #      larger shapes)                                                        -> $OUT/tests.log
-#   3. kernels/bench.py: SGMV, paged attention, the engine (under 5 minutes) -> $OUT/bench/
+#   3. benchmarks/kernel_bench.py: SGMV, paged attention, the engine (under 5 min) -> $OUT/bench/
 #   4. benchmarks/tp_bench.py: TP = 1 and TP = 2 side by side (NCCL), only with two GPUs
 #      (skipped with a line saying so on one GPU)                          -> $OUT/tp/
 #
@@ -45,7 +45,7 @@ OMP_NUM_THREADS=8 timeout "${TESTS_TIMEOUT:-280}" "$PY" -m pytest -q -ra -p no:c
     2>&1 | tee "$OUT/tests.log" | tail -25
 echo "tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/tests.log"
 
-timeout "${BENCH_TIMEOUT:-310}" "$PY" -m loraplex.kernels.bench --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" \
+timeout "${BENCH_TIMEOUT:-310}" "$PY" benchmarks/kernel_bench.py --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" \
     | tail -60
 echo "bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/bench.log"
 

@@ -1,5 +1,6 @@
-"""The service's messages as dataclasses: what ``convert.py`` makes of the protobuf messages of
-``proto/loraplex/v1`` and back. The gateway, the workers and the client speak only these."""
+"""The service's messages as dataclasses: what ``wire/messages.py`` makes of the protobuf
+messages of ``proto/loraplex/v1`` and back.
+The gateway, the workers and the client speak only these."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ Prompt: TypeAlias = str | tuple[int, ...] | ChatMessages
 
 
 # Whose fault a status is, sent as the ``loraplex-origin`` trailer of every status a loraplex
-# handler returns on purpose (see ``convert.py``).
+# handler returns on purpose (see ``wire/services.py``).
 ORIGIN_REQUEST = "request"  # this request's own error: the server itself is fine
 ORIGIN_SERVER = "server"  # the server refuses any work now (draining, its engine failed)
 

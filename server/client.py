@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 
 from loraplex.adapter_store.store import AdapterVersion
-from loraplex.server import convert, env
+from loraplex.server import env
 from loraplex.server.api import (
     MAX_MESSAGE_BYTES,
     AdapterQuery,
@@ -42,6 +42,7 @@ from loraplex.server.api import (
 )
 from loraplex.server.params import SamplingParams, StructuredOutput
 from loraplex.server.tls import client_credentials
+from loraplex.server.wire.stubs import AsyncClientStub, ClientStub
 
 __all__ = ["AsyncClient", "ChatMessage", "Client", "ServiceError", "StructuredOutput",
            "adapter_upload_parts"]
@@ -147,7 +148,7 @@ class Client:
         self._channel = (grpc.secure_channel(address, creds, options=_CHANNEL_OPTIONS)
                          if creds is not None
                          else grpc.insecure_channel(address, options=_CHANNEL_OPTIONS))
-        self._stub = convert.ClientStub(self._channel)
+        self._stub = ClientStub(self._channel)
 
     @property
     def has_api_key(self) -> bool:
@@ -228,7 +229,7 @@ class AsyncClient:
         self._channel = (grpc.aio.secure_channel(address, creds, options=_CHANNEL_OPTIONS)
                          if creds is not None
                          else grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS))
-        self._stub = convert.AsyncClientStub(self._channel)
+        self._stub = AsyncClientStub(self._channel)
 
     async def __aenter__(self) -> AsyncClient:
         return self

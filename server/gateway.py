@@ -1,7 +1,7 @@
 """The gateway: the public ``Generation`` and ``Adapters`` services in front of the workers.
 
 A request's way through it (``GenerationService.generate_stream``, the one path below the
-edge for both wires: the gRPC servicer in ``convert.py`` and the OpenAI HTTP API in
+edge for both wires: the gRPC servicer in ``wire/services.py`` and the OpenAI HTTP API in
 ``server/http/`` each turn their message into a ``GenerateRequest`` and call it with their
 call's ``CallContext``):
 
@@ -42,7 +42,6 @@ from prometheus_client import CollectorRegistry
 
 from loraplex.adapter_store.errors import AdapterNotFound, AdapterStoreError
 from loraplex.adapter_store.store import AdapterStore, AdapterVersion, parse_ref
-from loraplex.server import convert
 from loraplex.server.api import (
     ORIGIN_REQUEST,
     ORIGIN_SERVER,
@@ -65,7 +64,8 @@ from loraplex.server.params import check_messages
 from loraplex.server.quota import LocalQuotaBackend, QuotaBackend, Quotas, Ticket
 from loraplex.server.quote import quote
 from loraplex.server.startup import cannot_bind
-from loraplex.server.worker import format_address, grpc_server_options
+from loraplex.server.wire import services
+from loraplex.server.worker import GrpcHost, format_address, grpc_server_options
 
 if TYPE_CHECKING:
     from loraplex.server.http.server import HttpServer
@@ -347,7 +347,7 @@ def _request_error(exc: ServiceError, ref: str) -> ServiceError:
     return ServiceError(exc.code, message, origin=ORIGIN_REQUEST, cause=exc.cause or cause)
 
 
-class Gateway:
+class Gateway(GrpcHost):
     """A gateway's servers: ``Generation`` + ``Adapters`` + health + reflection over gRPC,
     the OpenAI-compatible HTTP API (``server/http/``, unless ``http_port`` is -1), the worker
     pool, and ``/metrics``.
@@ -385,7 +385,7 @@ class Gateway:
         self.adapters = AdaptersService(store, keys, base_config, limits, self.metrics)
         self.port = config.port
         self._server: grpc.aio.Server | None = None
-        self._health: convert.HealthReporter | None = None
+        self._health: services.HealthReporter | None = None
         self._metrics_server: MetricsServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.http: HttpServer | None = None
@@ -401,10 +401,6 @@ class Gateway:
     @property
     def address(self) -> str:
         return format_address(self.config.host, self.port)
-
-    @property
-    def metrics_port(self) -> int | None:
-        return self._metrics_server.port if self._metrics_server else None
 
     @property
     def http_url(self) -> str | None:
@@ -437,9 +433,9 @@ class Gateway:
             raise cannot_bind(self.config.host, self.config.port, "--port") from None
         if self.port == 0:
             raise OSError(f"gateway: cannot listen on {self.address}")
-        names = [convert.add_generation_service(server, self.generation),
-                 convert.add_adapters_service(server, self.adapters)]
-        self._health = convert.add_health_and_reflection(server, names)
+        names = [services.add_generation_service(server, self.generation),
+                 services.add_adapters_service(server, self.adapters)]
+        self._health = services.add_health_and_reflection(server, names)
         await self._health.set_serving(False)
         await self.quotas.backend.start()
         await self.pool.start()
@@ -480,22 +476,14 @@ class Gateway:
         await self.stop()
 
     async def stop(self) -> None:
-        """Stop at once: open calls are cancelled."""
+        """Stop at once: open calls (HTTP first, then gRPC) are cancelled."""
         if self.http is not None:
             await self.http.stop()
-        if self._server is not None:
-            await self._server.stop(grace=1.0)
-            self._server = None
+        await super().stop()
+
+    async def _release(self) -> None:
         await self.pool.close()
         await self.quotas.backend.close()
-        if self._metrics_server is not None:
-            self._metrics_server.close()
-            self._metrics_server = None
-
-    async def wait(self) -> None:
-        """Until the server stops."""
-        if self._server is not None:
-            await self._server.wait_for_termination()
 
 
 def check_exposure(config: GatewayConfig, keys: KeyRing) -> None:

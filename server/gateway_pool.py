@@ -22,10 +22,10 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 
 import grpc
 
-from loraplex.server import convert
 from loraplex.server.api import GenerateChunk, ServiceError, WorkerRequest, WorkerStatus
 from loraplex.server.metrics import GatewayMetrics
 from loraplex.server.router import Route, WorkerSnapshot, route
+from loraplex.server.wire.stubs import WorkerStub
 from loraplex.server.worker import MAX_MESSAGE_BYTES, format_address
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class WorkerHandle:
     def __init__(self, address: str, metrics: GatewayMetrics) -> None:
         self.address = address
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self.stub = convert.WorkerStub(self.channel)
+        self.stub = WorkerStub(self.channel)
         self.status: WorkerStatus | None = None
         self.healthy = False
         # The last Status is corrected by what happened since it was asked for: requests sent
@@ -104,7 +104,7 @@ class WorkerHandle:
         self._sent[token] = time.monotonic()
         self._set_gauge()
         try:
-            async with contextlib.aclosing(self.stub.generate(request, timeout)) as chunks:
+            async with contextlib.aclosing(self.stub.generate(request, timeout=timeout)) as chunks:
                 async for chunk in chunks:
                     yield chunk
         finally:
@@ -133,7 +133,7 @@ class WorkerHandle:
     async def poll_once(self, timeout: float) -> None:
         sent = time.monotonic()
         try:
-            self.status = await self.stub.status(timeout)
+            self.status = await self.stub.status(None, timeout=timeout)
             self._status_sent = sent
             while self._ended and self._ended[0][1] < sent:
                 self._ended.popleft()

@@ -3,7 +3,7 @@
 An error message travels back as the ``grpc-message`` trailer: a field echoed whole (a 10k
 character stop string) can push it over the metadata limit, and the client then reads
 ``RESOURCE_EXHAUSTED`` instead of the refusal. Every message that names a client's value goes
-through :func:`quote`; ``convert.py`` also caps whole messages at ``MAX_MESSAGE_CHARS``.
+through :func:`quote`; ``wire/services.py`` also caps whole messages at ``MAX_MESSAGE_CHARS``.
 """
 
 from __future__ import annotations

@@ -28,7 +28,6 @@ from collections.abc import AsyncGenerator, Callable
 import grpc
 from prometheus_client import CollectorRegistry
 
-from loraplex.server import convert
 from loraplex.server.api import (
     FINISH_REASONS,
     MAX_MESSAGE_BYTES,
@@ -49,6 +48,7 @@ from loraplex.server.launch import served_model_name
 from loraplex.server.metrics import MetricsServer, StreamTimer, WorkerMetrics
 from loraplex.server.router_metrics import RouterSnapshot, register_router_metrics, router_snapshot
 from loraplex.server.startup import cannot_bind
+from loraplex.server.wire import services
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +253,37 @@ def request_failure(out: RequestOutput) -> ServiceError | None:
     return ServiceError(grpc.StatusCode.INTERNAL, error, cause="internal")
 
 
-class WorkerServer:
+class GrpcHost:
+    """What a gateway and a worker process share: a gRPC server and a ``/metrics`` endpoint,
+    stopped in that order, with what the subclass owns released in between (``_release``)."""
+
+    _server: grpc.aio.Server | None
+    _metrics_server: MetricsServer | None
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self._metrics_server.port if self._metrics_server else None
+
+    async def _release(self) -> None:
+        """What the subclass frees once no call is open (its engine, its connections)."""
+
+    async def stop(self) -> None:
+        """Stop at once: open calls are cancelled."""
+        if self._server is not None:
+            await self._server.stop(grace=1.0)
+            self._server = None
+        await self._release()
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+            self._metrics_server = None
+
+    async def wait(self) -> None:
+        """Until the server stops."""
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+
+class WorkerServer(GrpcHost):
     """A worker process's servers: the engine thread, ``Worker`` + health + reflection over
     gRPC, and ``/metrics``.
 
@@ -281,16 +311,12 @@ class WorkerServer:
         self._loop: EngineLoop | None = None
         self._metrics_server: MetricsServer | None = None
         self.service: WorkerService | None = None
-        self._health: convert.HealthReporter | None = None
+        self._health: services.HealthReporter | None = None
         self._fatal_task: asyncio.Task[None] | None = None  # held: the loop keeps weak refs
 
     @property
     def address(self) -> str:
         return format_address(self.config.host, self.port)
-
-    @property
-    def metrics_port(self) -> int | None:
-        return self._metrics_server.port if self._metrics_server else None
 
     async def start(self) -> None:
         """Bind and start serving (on the running asyncio loop)."""
@@ -309,8 +335,8 @@ class WorkerServer:
         self.service = WorkerService(self._loop, self.config, worker_id, metrics)
         if self.config.router_metrics:
             register_router_metrics(self.registry, self._router_snapshot)
-        name = convert.add_worker_service(server, self.service)
-        self._health = convert.add_health_and_reflection(server, [name])
+        name = services.add_worker_service(server, self.service)
+        self._health = services.add_health_and_reflection(server, [name])
         await self._health.set_serving(True)  # the engine is loaded before the port opens
         self._loop.start()
         await server.start()
@@ -355,22 +381,10 @@ class WorkerServer:
         await self.service.drain(grace)
         await self.stop()
 
-    async def stop(self) -> None:
-        """Stop at once: open calls are cancelled."""
-        if self._server is not None:
-            await self._server.stop(grace=1.0)
-            self._server = None
+    async def _release(self) -> None:
         if self._loop is not None:
             self._loop.stop()
             self.engine.close()  # the engine thread has ended: its ranks may stop
-        if self._metrics_server is not None:
-            self._metrics_server.close()
-            self._metrics_server = None
-
-    async def wait(self) -> None:
-        """Until the server stops."""
-        if self._server is not None:
-            await self._server.wait_for_termination()
 
 
 def build_engine(config: EngineConfig, adapter_source: object | None = None) -> Engine:

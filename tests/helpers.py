@@ -7,7 +7,11 @@ from pathlib import Path
 
 import torch
 
-from loraplex.server.engine.models.demo import write_byte_tokenizer, write_random_llama
+from loraplex.server.engine.models.demo import (
+    llama_hf_config,
+    write_byte_tokenizer,
+    write_random_llama,
+)
 
 ARCH = {
     "llama": ("LlamaForCausalLM", "llama"),
@@ -18,26 +22,10 @@ ARCH = {
 
 def tiny_hf_config(arch: str = "llama", **overrides) -> dict:
     cls, model_type = ARCH[arch]
-    cfg = {
-        "architectures": [cls],
-        "model_type": model_type,
-        "vocab_size": 300,
-        "hidden_size": 64,
-        "intermediate_size": 160,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "max_position_embeddings": 256,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-        "hidden_act": "silu",
-        "bos_token_id": 256,
-        "eos_token_id": 257,
-        "pad_token_id": 258,
-        "torch_dtype": "float32",
-    }
+    cfg = llama_hf_config(vocab_size=300, hidden_size=64, intermediate_size=160,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, max_position_embeddings=256)
+    cfg.update(architectures=[cls], model_type=model_type)
     if arch == "qwen2":
         cfg.update(use_sliding_window=False, sliding_window=None)
     if arch == "mistral":

@@ -11,7 +11,9 @@ A request's adapter goes through three places:
    running request uses it and evicted LRU once none does.
 
 ``AdapterManager`` is the scheduler's ``AdmissionGate``: a request is admitted only when its
-adapter is resident or in the host cache, and admission charges the adapter's pages.
+adapter is resident or in the host cache, and admission charges the adapter's pages. Admission
+only reserves them (``acquire`` returns an ``AdapterLoad``, which rides the scheduled batch);
+the model runner performs the copy (``copy_in``) before the step's forward pass.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -29,8 +31,9 @@ import torch
 
 from loraplex.adapter_store.format import CanonicalAdapter
 from loraplex.adapter_store.store import AdapterSource
+from loraplex.kernels.cpu import ModuleBlocks
 from loraplex.kernels.layout import AdapterLayout, adapter_layout
-from loraplex.kernels.reference import ModuleBlocks
+from loraplex.server.engine.batch import AdapterLoad
 from loraplex.server.engine.models.config import LORA_MODULES, ModelConfig
 from loraplex.server.engine.pager import PageKind, Pager
 from loraplex.server.engine.request import Request
@@ -144,6 +147,8 @@ class AdapterManager:
         # Host adapters found ready during this step's scheduling, held so that the loader
         # thread's host-cache evictions cannot drop one between ready() and acquire().
         self._staged: dict[str, HostAdapter] = {}
+        # Adapters given pages by acquire() whose weights the runner has not copied in yet.
+        self._to_copy: dict[str, HostAdapter] = {}
         self._pool = ThreadPoolExecutor(num_loader_threads, thread_name_prefix="adapter-load")
         self._copy_stream = torch.cuda.Stream(pools.device) if self._pin else None
         self._pending_copies: list[torch.cuda.Event] = []
@@ -238,15 +243,20 @@ class AdapterManager:
         host = self._staged.get(digest)
         return host.layout.num_pages(self.page_elems) if host is not None else 0
 
-    def acquire(self, request: Request) -> None:
-        """Pin the request's adapter in the pool, copying it in from the host cache if needed."""
+    def acquire(self, request: Request) -> AdapterLoad | None:
+        """Pin the request's adapter in the pool. One only in the host cache gets its pages
+        now (pinned, and resident from here on for the scheduler's arithmetic); the copy of
+        its weights is returned, for the runner to perform (``copy_in``) before the step's
+        forward pass reads them."""
         digest = request.adapter_digest
         if digest is None:
-            return
+            return None
         if digest in self._resident:
             self.pager.pin(digest)
             self.counters["device_hits"] += 1
-            return
+            if digest in self._to_copy:  # its copy never ran (a failed step): issue it again
+                return AdapterLoad(digest, self._resident[digest].pages)
+            return None
         self.counters["device_misses"] += 1
         host = self._staged.pop(digest, None)
         if host is None:
@@ -257,8 +267,21 @@ class AdapterManager:
         self.counters["host_hits"] += 1
         layout = self._pool_layout(host)
         pages = self.pager.add_entry(digest, PageKind.ADAPTER, layout.num_pages(self.page_elems))
-        self._copy_in(host, pages)
+        self._to_copy[digest] = host
         self._resident[digest] = ResidentAdapter(digest, layout, host.scale, tuple(pages))
+        return AdapterLoad(digest, tuple(pages))
+
+    def copy_in(self, loads: Sequence[AdapterLoad]) -> None:
+        """Copy each adapter's weights from the host cache into its reserved pages (on CUDA
+        on the copy stream: ``wait_for_copies`` orders the step after them). A load whose
+        copy never completes (the step failed first) is returned again by the next
+        ``acquire`` of that adapter."""
+        for load in loads:
+            host = self._to_copy.get(load.digest)
+            if host is None:
+                continue  # copied already (a batch may carry one adapter's load twice)
+            self._copy_in(host, list(load.page_ids))
+            del self._to_copy[load.digest]  # only once done: a failed copy is issued again
 
     def _pool_layout(self, host: HostAdapter) -> AdapterLayout:
         return self.sharding.pool_layout(host.layout) if self.sharding else host.layout
@@ -301,6 +324,7 @@ class AdapterManager:
     def _on_evict(self, digest: Hashable) -> None:
         # The pager keys ADAPTER entries by digest (acquire adds them so).
         self._resident.pop(str(digest), None)
+        self._to_copy.pop(str(digest), None)
         self.counters["evictions"] += 1
 
     def resident(self, digest: str) -> ResidentAdapter:

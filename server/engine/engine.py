@@ -1,8 +1,10 @@
 """The step-level engine: ``add_request`` / ``step`` / ``abort`` / ``has_unfinished``.
 
-``step()`` is schedule -> run -> postprocess. ``add_request`` and ``abort`` may be called from
-any thread (the gRPC worker drives ``step`` from its own thread): they validate at once and
-hand the request to the engine thread through an inbox drained at the start of each step.
+``step()`` is ``scheduler.schedule() -> ScheduledBatch``, ``runner.run(batch) -> RunOutput``,
+sampling, ``scheduler.update(batch, accepted)`` and the output processor (``output.py``).
+``add_request`` and ``abort`` may be called from any thread (the gRPC worker drives ``step``
+from its own thread): they validate at once and hand the request to the engine thread through
+an inbox drained at the start of each step.
 """
 
 from __future__ import annotations
@@ -19,31 +21,27 @@ from loraplex.adapter_store.store import AdapterSource
 from loraplex.kernels.layout import kv_page_elems
 from loraplex.server.config import EngineConfig
 from loraplex.server.engine.adapter_cache import AdapterManager
+from loraplex.server.engine.batch import Accepted, ScheduledBatch
 from loraplex.server.engine.calibration import calibrate
-from loraplex.server.engine.model_runner import ModelRunner
+from loraplex.server.engine.model_runner import ModelRunner, RunOutput
 from loraplex.server.engine.models.builtin import resolve_model_path
 from loraplex.server.engine.models.config import ModelConfig, parse_dtype
 from loraplex.server.engine.models.llama import LlamaModel
 from loraplex.server.engine.models.loader import load_weights, model_revision
+from loraplex.server.engine.output import OutputProcessor
 from loraplex.server.engine.pager import Pager
 from loraplex.server.engine.parallel.driver import TensorParallel
 from loraplex.server.engine.parallel.group import RankFailure
 from loraplex.server.engine.prefix_cache import PrefixCache
 from loraplex.server.engine.profile import ProfileResult, pool_pages, profile_batch, profile_run
-from loraplex.server.engine.request import (
-    Request,
-    RequestOutput,
-    RequestStatus,
-    SamplingParams,
-    TokenLogprob,
-)
-from loraplex.server.engine.sampler import SamplingMetadata, draw_uniform, sample
+from loraplex.server.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
+from loraplex.server.engine.sampler import SamplingMetadata, sample
 from loraplex.server.engine.scheduler import Scheduler
-from loraplex.server.engine.spec.speculator import Speculator, roll_back
+from loraplex.server.engine.spec.speculator import Speculator
 from loraplex.server.engine.stats import EngineStats, collect_stats
 from loraplex.server.engine.step_cost import StepCostModel, StepTimer
 from loraplex.server.engine.structured import GrammarService
-from loraplex.server.engine.tokenizer import Detokenizer, load_tokenizer
+from loraplex.server.engine.tokenizer import load_tokenizer
 from loraplex.server.engine.warmup import warm_up
 from loraplex.server.params import CHAT_ROLES, ChatMessages
 
@@ -117,6 +115,9 @@ class Engine:
                                             config.share_prefix_across_tenants)
         target_s = config.scheduler.target_itl_ms / 1000.0
         self.step_timer = StepTimer(StepCostModel(), target_s)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
         self.speculator: Speculator | None = None
         if config.speculative_method == "ngram":
             self.speculator = Speculator(config.num_speculative_tokens,
@@ -125,23 +126,16 @@ class Engine:
                                          cost_gate=config.speculative_cost_gate)
         self.scheduler = Scheduler(config.scheduler, self.pager, self.adapters,
                                    self.prefix_cache, cost=self.step_timer.model.predict,
+                                   eos_token_ids=eos, max_model_len=self.max_model_len,
                                    speculator=self.speculator)
-        eos = set(self.model_config.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
         self.grammars: GrammarService | None = None  # structured output (needs a tokenizer)
         if self.tokenizer is not None:
             stops = eos | {t for t in (self.tokenizer.end_of_turn_id,) if t is not None}
             self.grammars = GrammarService(self.tokenizer, self.model_config.vocab_size, stops,
                                            config.grammar_compile_timeout,
                                            config.grammar_cache_bytes)
-        self._requests: dict[str, list[Request]] = {}  # by the client's id: its n sequences
-        self._detok: dict[str, Detokenizer] = {}  # by each sequence's own id
-        # A prompt's sequences 1..n-1, by its sequence 0's id, until it has prefilled the
-        # prompt once: they then fork off it, on its pages (``Scheduler.fork``).
-        self._unforked: dict[str, list[Request]] = {}
-        self._orphans: list[RequestOutput] = []  # sequences ended with their unforked parent
+        self.outputs = OutputProcessor(self.scheduler, self.tokenizer, self.grammars,
+                                       self.model_config.vocab_size, config.jump_forward)
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         # Without an operator's seed, from the OS: replicas and restarts must not repeat the
         # same "random" draws for unseeded requests.
@@ -160,6 +154,15 @@ class Engine:
                       config.scheduler.max_num_batched_tokens, self.max_model_len)
         logger.info("engine ready: %s, %s, %d pages of %d tokens, kernels=%s",
                     self.model_path, config.dtype, num_pages, config.page_size, kernels)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The model's end-of-sequence tokens (the scheduler stops requests at them)."""
+        return self.scheduler.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, token_ids: frozenset[int]) -> None:
+        self.scheduler.eos_token_ids = frozenset(token_ids)
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks and the adapter loaders (idempotent)."""
@@ -238,7 +241,7 @@ class Engine:
             raise ValueError("request_id: must not be empty")
         if adapter_digest is not None and self.adapters is None:
             raise ValueError("adapter: this engine serves no adapters (no adapter source)")
-        if request_id in self._requests:
+        if self.outputs.has(request_id):
             raise ValueError(f"request_id: {request_id!r} is already in use")
         if params.n > 1 and self.parallel is not None:
             # The copy-on-write page copies run on the driver's pool only (not broadcast).
@@ -277,17 +280,13 @@ class Engine:
                 raise ValueError("structured: this model has no tokenizer to compile the "
                                  "grammar against")
             group[0].grammar = self.grammars.submit(params.structured)  # compiles off-thread
-        for req in group:
-            self._detok[req.request_id] = Detokenizer(self.tokenizer, req)
-        if params.n > 1:
-            self._unforked[group[0].request_id] = group[1:]
-        self._requests[request_id] = group
-        self._inbox.put(("add", group[0]))
+        self.outputs.add(group)
+        self._inbox.put(("add", group))
         return group[0]
 
     def sequences(self, request_id: str) -> tuple[Request, ...]:
         """The n sequences of an unfinished request (empty once all have finished)."""
-        return tuple(self._requests.get(request_id, ()))
+        return self.outputs.sequences(request_id)
 
     def _encode(self, prompt: str | list[int] | ChatMessages, params: SamplingParams
                 ) -> tuple[list[int], SamplingParams]:
@@ -321,44 +320,55 @@ class Engine:
         return (self.scheduler.has_unfinished() or not self._inbox.empty()
                 or (self.parallel is not None and self.parallel.failed is not None))
 
-    def _drain_inbox(self) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
+    def _drain_inbox(self) -> None:
         while True:
             try:
                 kind, item = self._inbox.get_nowait()
             except queue.Empty:
-                return outputs
-            if isinstance(item, Request):
-                self.scheduler.add(item)
-                if item.adapter_digest is not None and self.adapters is not None:
-                    self.adapters.prefetch(item.adapter_digest)
+                return
+            if isinstance(item, list):
+                self.scheduler.add(item[0], item[1:])
+                if item[0].adapter_digest is not None and self.adapters is not None:
+                    self.adapters.prefetch(item[0].adapter_digest)
             elif kind == "abort":
-                for req in self._requests.get(str(item), []):
+                for req in self.outputs.sequences(str(item)):
                     if not req.finished:
-                        outputs.append(self._finish(req, RequestStatus.FINISHED_ABORTED, ""))
+                        self.outputs.finish(req, RequestStatus.FINISHED_ABORTED)
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one iteration: schedule, run the model, sample, and report progress."""
-        outputs = self._step()
-        if self._orphans:
-            outputs.extend(self._orphans)
-            self._orphans = []
-        return outputs
+        """Run one iteration and report progress: each request's new tokens and text, and a
+        final output for each request that ended.
 
-    def _step(self) -> list[RequestOutput]:
+        1. Drain the inbox (new requests queue, aborts end).
+        2. ``scheduler.schedule() -> ScheduledBatch``: the requests that advance and by how
+           many tokens, the pages they got, the copies to perform (adapter weights, shared
+           pages), and the waiting requests that can never run (``refused``, now failed).
+        3. ``runner.run(batch) -> RunOutput``: the copies, the forward pass, logits rows
+           mapped to requests. An exception fails the batch; a ``RankFailure`` ends the
+           engine.
+        4. Sample each row (an ``n > 1`` prompt's siblings from its sequence 0's row, with
+           its grammar's bitmask): ``Accepted`` tokens per request; a failed row fails its
+           request.
+        5. ``scheduler.update(batch, accepted)``: computed tokens, prefix-cache pages, forks,
+           appended tokens and the finishes that need no text (their pages return now).
+        6. ``outputs.process``: detokenize, stop strings, jump-forward, ``RequestOutput``s.
+        7. Record the step's time against its predicted shape.
+        """
         if self.parallel is not None:
             self.parallel.check()  # RankFailure: this engine cannot go on
-        outputs = self._drain_inbox()
-        if self.adapters is not None:
-            outputs.extend(self._fail_unloadable())
-            self.adapters.begin_step()
-        outputs.extend(self._fail_grammars())
+        self._drain_inbox()
         start = time.perf_counter()  # a step's time: scheduling to its outputs
-        batch = self.scheduler.schedule()
-        if not batch.requests:
-            return outputs
-        self._num_steps += 1
+        batch = self.scheduler.schedule(time.monotonic())
+        for req, _ in batch.refused:
+            self.outputs.finish(req, RequestStatus.FINISHED_ERROR)
+        if batch.requests:
+            self._num_steps += 1
+            if self._run(batch):
+                self.step_timer.record(batch.shape, time.perf_counter() - start)
+        return self.outputs.take()
+
+    def _run(self, batch: ScheduledBatch) -> bool:
         now = time.monotonic()
         try:
             run = self.runner.run(batch, self.adapters)
@@ -368,34 +378,43 @@ class Engine:
             logger.exception("model step failed")
             for req in batch.requests:
                 req.error = f"internal error in model step: {exc}"
-                outputs.append(self._finish(req, RequestStatus.FINISHED_ERROR, ""))
-            return outputs
+                self.outputs.finish(req, RequestStatus.FINISHED_ERROR)
+            return False
         # From here on a failure is one request's: it fails that request, never the step.
-        for req, entries in run.prompt_logprobs:
-            req.prompt_logprobs.extend(entries)
-        for req, n in zip(batch.requests, batch.num_new_tokens):
+        accepted, failures = self._sample(run)
+        update = self.scheduler.update(batch, accepted, run.prompt_logprobs, now)
+        for req in update.failed:
+            self.outputs.finish(req, RequestStatus.FINISHED_ERROR)
+        for req, error in failures:
+            self.outputs.fail(req, error, log=False)
+        for tokens in update.tokens:
             try:
-                self._advance(req, n, now)
+                self.outputs.process(tokens)
             except Exception as exc:
-                outputs.append(self._fail(req, f"internal error after the model step: {exc}"))
-        rows: list[int] = []  # a logits row per sequence: a forking prompt's row n times
+                self.outputs.fail(tokens.request, f"internal error in postprocessing: {exc}")
+        return True
+
+    def _sample(self, run: RunOutput) -> tuple[list[Accepted], list[tuple[Request, str]]]:
+        """One token per sampling request, from its last row (a forking sequence 0's row is
+        also its siblings'), or the verified tokens of a request with a draft, from its
+        ``1 + d`` rows (speculation); and the requests whose row failed, with why."""
+        rows: list[int] = []
         sampling: list[Request] = []
-        for i, req in enumerate(run.sampling_requests):
-            if req.finished:
+        for req in run.requests:
+            own = run.rows_of(req)
+            if req.draft_token_ids:
+                rows.extend(own)
+                sampling.extend([req] * len(own))
                 continue
-            rows.append(i)
-            sampling.append(req)
-            children = self._unforked.pop(req.request_id, None)
-            if children:
-                self.scheduler.fork(req, children)
-                rows.extend([i] * len(children))
-                sampling.extend(children)
+            for seq in (req, *self.scheduler.pending_forks(req)):
+                rows.append(own[-1])
+                sampling.append(seq)
         if not rows:
-            self.step_timer.record(batch.shape, time.perf_counter() - start)
-            return outputs
-        mask_errors: dict[int, str] = {}  # rows whose grammar allows no token, and why
+            return [], []
         # A sampled request verifying a draft draws a uniform per row: rewound after.
-        states = {id(r): Speculator.generator_state(r) for r in sampling if r.draft_token_ids}
+        states = {id(r): Speculator.generator_state(r) for r in run.requests
+                  if r.draft_token_ids}
+        mask_errors: dict[int, str] = {}  # rows whose grammar allows no token, and why
         try:
             metadata = SamplingMetadata.from_requests(sampling, self.model_config.vocab_size,
                                                       self.eos_token_ids, run.logits.device)
@@ -405,210 +424,27 @@ class Engine:
             result = sample(run.logits[rows], metadata)
         except Exception as exc:  # a bug in the sampler: this batch's sampling requests fail
             logger.exception("sampling failed")
-            for req in sampling:
-                outputs.append(self._fail(req, f"internal error in sampling: {exc}", log=False))
-            return outputs
+            return [], [(req, f"internal error in sampling: {exc}") for req in sampling]
         failed = set(result.failed_rows)
-        row = 0
-        while row < len(sampling):
-            req = sampling[row]
-            own = range(row, row + 1 + len(req.draft_token_ids))  # 1 + d when verifying
-            row = own.stop
+        accepted: list[Accepted] = []
+        failures: list[tuple[Request, str]] = []
+        i = 0
+        while i < len(sampling):
+            req = sampling[i]
+            own = range(i, i + 1 + len(req.draft_token_ids))  # 1 + d rows when verifying
+            i = own.stop
             bad = next((r for r in own if r in failed), None)
             if bad is not None:
-                req.draft_token_ids = []
-                outputs.append(self._fail(req, mask_errors.get(bad, SAMPLING_FAILED), log=False))
-                continue
-            try:
-                if len(own) > 1 and self.speculator is not None:
-                    outputs.append(self._verify(self.speculator, req, own, result.token_ids,
-                                                result.logprobs, states.get(id(req))))
-                    continue
-                out = self._append_token(req, result.token_ids[own[0]],
-                                         result.logprobs[own[0]])
-                if req.grammar is not None and not out.finished:
-                    out = self._jump_forward(req, out)
-                outputs.append(out)
-            except Exception as exc:
-                outputs.append(self._fail(req, f"internal error in postprocessing: {exc}"))
-        self.step_timer.record(batch.shape, time.perf_counter() - start)
-        return outputs
-
-    def _verify(self, speculator: Speculator, req: Request, rows: range,
-                token_ids: list[int], logprobs: list[TokenLogprob | None],
-                state: torch.Tensor | None) -> RequestOutput:
-        """Speculation: accept ``req``'s draft against its ``1 + d`` rows and append the
-        tokens one by one (a stop, EOS or length inside the run ends it there); the KV of
-        the rejected tail is rolled back (count and pages).
-
-        Invariant: before token ``j`` is appended, the computed count is that of the
-        positions whose KV this step left valid among the known tokens, and the prefix
-        cache has seen them, so the pages offered and kept are those of decoding without
-        speculation."""
-        verdict = speculator.verify(req, [token_ids[r] for r in rows], state)
-        base, accepted = req.num_computed_tokens, verdict.num_accepted
-        out: RequestOutput | None = None
-        for j, token in enumerate(verdict.token_ids):
-            if j:
-                req.num_computed_tokens = base + min(j, accepted)
-                if self.prefix_cache is not None:
-                    self.prefix_cache.register(req)
-            nxt = self._append_token(req, token, logprobs[rows[j]])
-            out = nxt if out is None else replace(
-                nxt, new_token_ids=out.new_token_ids + nxt.new_token_ids,
-                new_text=out.new_text + nxt.new_text, logprobs=out.logprobs + nxt.logprobs,
-                prompt_logprobs=out.prompt_logprobs)
-            if out.finished:
-                return out
-        roll_back(req, base + accepted, self.config.page_size, self.pager)
-        if out is None:
-            raise ValueError("verification appended no token")
-        return out
-
-    def _advance(self, req: Request, num_new_tokens: int, now: float) -> None:
-        # A draft's positions count as computed only once verified (``_verify``).
-        req.num_computed_tokens += num_new_tokens - len(req.draft_token_ids)
-        if req.first_scheduled_time is None:
-            req.first_scheduled_time = now
-        if self.prefix_cache is not None:
-            self.prefix_cache.register(req)
-
-    def _fail(self, req: Request, error: str, log: bool = True) -> RequestOutput:
-        """End ``req`` with ``error`` (``FINISHED_ERROR``); the rest of the batch goes on."""
-        if log:
-            logger.exception("request %s failed: %s", req.request_id, error)
-        else:
-            logger.warning("request %s failed: %s", req.request_id, error)
-        req.error = error
-        return self._finish(req, RequestStatus.FINISHED_ERROR, "")
-
-    def _append_token(self, req: Request, token: int, lp: TokenLogprob | None
-                      ) -> RequestOutput:
-        req.output_token_ids.append(token)
-        if req.first_token_time is None:
-            req.first_token_time = time.monotonic()
-        if lp is not None:
-            req.logprobs.append(lp)
-        params = req.params
-        status = None
-        if req.grammar is not None and req.grammar.accept(req, token):
-            status = RequestStatus.FINISHED_STOPPED  # the grammar is complete
-        elif (token in params.stop_token_ids
-                or (not params.ignore_eos and token in self.eos_token_ids)):
-            status = RequestStatus.FINISHED_STOPPED
-        elif (req.num_output_tokens >= params.max_tokens
-              or req.num_tokens >= self.max_model_len):
-            status = RequestStatus.FINISHED_LENGTH
-        detok = self._detok[req.request_id]
-        text, stopped = detok.add(token, finished=status is not None)
-        if stopped:
-            status = RequestStatus.FINISHED_STOPPED
-        # The prompt's logprobs are all known once its first token is out: they ride with the
-        # first token of sequence 0 (its siblings forked off it with the prompt computed).
-        prompt_lps = req.prompt_logprobs if req.num_output_tokens == 1 else []
-        if status is None:
-            return RequestOutput(req.output_id, [token], text, False, index=req.index,
-                                 logprobs=[lp] if lp is not None else [],
-                                 prompt_logprobs=list(prompt_lps),
-                                 num_prompt_tokens=req.num_prompt_tokens,
-                                 num_output_tokens=req.num_output_tokens)
-        out = self._finish(req, status, text, [token], [lp] if lp is not None else [])
-        out.prompt_logprobs = list(prompt_lps)
-        return out
-
-    def _jump_forward(self, req: Request, out: RequestOutput) -> RequestOutput:
-        """Exact jump-forward: append the tokens ``req``'s grammar forces (one allowed token
-        each) without a model call; the scheduler computes them as one chunk next step.
-
-        Identical to sampling them: a one-token mask leaves greedy and sampled rows no other
-        choice, and a sampled row's generator draws once per forced token as it would have
-        (seeded outputs stay the same). Requests asking for logprobs are not jumped (a forced
-        token's logprob needs the model's logits). ``jump_forward = string`` first appends
-        the string the grammar forces, as the tokenizer cuts it (valid, not identical)."""
-        grammar = req.grammar
-        if (grammar is None or self.grammars is None or self.config.jump_forward == "off"
-                or req.params.logprobs is not None):
-            return out
-        vocab = self.model_config.vocab_size
-        while not out.finished:
-            if self.config.jump_forward == "string":
-                tokens = self.grammars.tokenize_forced(grammar.forced_string(req))
-                if tokens:
-                    for token in tokens:
-                        if out.finished:
-                            break
-                        self.grammars.num_jumped_tokens += 1
-                        nxt = self._append_token(req, token, None)
-                        out = replace(nxt, new_token_ids=out.new_token_ids + nxt.new_token_ids,
-                                      new_text=out.new_text + nxt.new_text)
-                    continue
-            token = grammar.forced_token(req, vocab)
-            if token is None:
-                return out
-            if not req.params.greedy and req.generator is not None:
-                draw_uniform(req.generator)  # as sampling the forced token would have
-            self.grammars.num_jumped_tokens += 1
-            nxt = self._append_token(req, token, None)
-            out = replace(nxt, new_token_ids=out.new_token_ids + nxt.new_token_ids,
-                          new_text=out.new_text + nxt.new_text)
-        return out
-
-    def _fail_grammars(self) -> list[RequestOutput]:
-        """Waiting requests whose grammar failed to compile, or compiles for too long, fail
-        alone with the reason (``structured.*``: the worker's INVALID_ARGUMENT)."""
-        now = time.monotonic()
-        outputs = []
-        for req in list(self.scheduler.waiting):
-            error = req.grammar.poll(now) if req.grammar is not None else None
-            if error is not None:
-                req.error = error
-                outputs.append(self._finish(req, RequestStatus.FINISHED_ERROR, ""))
-        return outputs
-
-    def _finish(self, req: Request, status: RequestStatus, text: str,
-                new_token_ids: list[int] | None = None,
-                logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
-        self.scheduler.finish(req, status)
-        # Tolerates a request that a failure caught half-way through finishing.
-        detok = self._detok.pop(req.request_id, None)
-        if detok is not None and status is RequestStatus.FINISHED_ERROR:
-            text = ""
-        elif detok is not None and status is not RequestStatus.FINISHED_STOPPED:
-            text += detok.finish()
-        for child in self._unforked.pop(req.request_id, []):
-            # Sequence 0 ended before its prompt was prefilled: its siblings end with it.
-            child.error = req.error
-            self._orphans.append(self._finish(child, status, ""))
-        group = self._requests.get(req.output_id, [])
-        if all(r.finished for r in group):
-            self._requests.pop(req.output_id, None)
-        return RequestOutput(req.output_id, new_token_ids or [], text, True, index=req.index,
-                             finish_reason=status.value, logprobs=logprobs or [],
-                             num_prompt_tokens=req.num_prompt_tokens,
-                             num_output_tokens=req.num_output_tokens,
-                             num_cached_tokens=req.num_cached_tokens, error=req.error)
-
-    def _fail_unloadable(self) -> list[RequestOutput]:
-        """Requests whose adapter failed to load, or can never fit the pool beside their KV,
-        fail alone with the reason."""
-        if self.adapters is None:
-            return []
-        failures = self.adapters.take_failures()
-        outputs = []
-        for req in list(self.scheduler.waiting):
-            if req.adapter_digest is None:
-                continue
-            if req.adapter_digest in failures:
-                req.error = failures[req.adapter_digest]
+                failures.append((req, mask_errors.get(bad, SAMPLING_FAILED)))
+            elif len(own) > 1 and self.speculator is not None:
+                verdict = self.speculator.verify(req, [result.token_ids[r] for r in own],
+                                                 states.get(id(req)))
+                accepted.append(Accepted(req, verdict.token_ids, [
+                    result.logprobs[r] for r in own[:len(verdict.token_ids)]]))
             else:
-                pages = self.adapters.host_pages(req.adapter_digest)
-                kv_pages = -(-req.max_total_tokens // self.config.page_size)
-                if pages is None or pages + kv_pages <= self.pager.num_pages:
-                    continue
-                req.error = (f"adapter: {req.adapter_digest[:12]} needs {pages} pages beside "
-                             f"{kv_pages} KV pages; the pool has {self.pager.num_pages}")
-            outputs.append(self._finish(req, RequestStatus.FINISHED_ERROR, ""))
-        return outputs
+                accepted.append(Accepted(req, [result.token_ids[own[0]]],
+                                         [result.logprobs[own[0]]]))
+        return accepted, failures
 
     def stats(self) -> EngineStats:
         return collect_stats(self.scheduler, self.pager, self._num_steps, self.step_timer,

@@ -10,7 +10,7 @@ Two ways to run it, same arithmetic:
   segments and ranks, with the segment arrays of design.md §3's op signature (a segment whose
   adapter does not target the module gets rank 0 there); the kernels read the adapters'
   pages through the page table.
-* The references on CPU: ``reference.lora_segments``, segment by segment, with each resident
+* The CPU path: ``kernels/cpu.lora_segments``, segment by segment, with each resident
   adapter's blocks resolved once (views of its pages, cached on the ``ResidentAdapter`` until
   it is evicted). On CPU a decode step's LoRA cost is the fixed cost of many small torch
   operations, so the fewer per segment the better; the op-signature references
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.kernels import reference
+from loraplex.kernels import cpu, reference
 from loraplex.server.engine.adapter_cache import ResidentAdapter
 from loraplex.server.engine.models.config import LORA_MODULES, ModelConfig
 from loraplex.server.engine.models.llama import FUSED_GROUPS, module_slices
@@ -45,7 +45,7 @@ class ModuleSegments:
 class LoraOps:
     """``shrink`` and ``expand`` with the signatures of ``kernels/reference.py``.
 
-    ``segment_major``: run ``reference.lora_segments`` on resolved blocks instead (CPU).
+    ``segment_major``: run ``cpu.lora_segments`` on resolved blocks instead (CPU).
     """
 
     shrink: Callable[..., torch.Tensor]
@@ -125,7 +125,7 @@ class LoraBatch:
             if blocks is None:
                 blocks = adapter.blocks[(layer, group)] = self._resolve(adapter, layer, group)
             if blocks:
-                segments.append(reference.SegmentBlocks(lo, hi, adapter.scale, blocks))
+                segments.append(cpu.SegmentBlocks(lo, hi, adapter.scale, blocks))
         if not segments:
             return
         # Each segment's operations are too small to gain from a second thread, and on a busy
@@ -134,13 +134,13 @@ class LoraBatch:
         if threads > 1:
             torch.set_num_threads(1)
         try:
-            reference.lora_segments(x, y, segments)
+            cpu.lora_segments(x, y, segments)
         finally:
             if threads > 1:
                 torch.set_num_threads(threads)
 
     def _resolve(self, adapter: ResidentAdapter, layer: int,
-                 group: str) -> tuple[reference.ModuleBlocks, ...]:
+                 group: str) -> tuple[cpu.ModuleBlocks, ...]:
         # A view of the pool where a block lies in one page, else a copy (region_rows): the
         # pages of a resident adapter neither move nor change.
         pool = self.pools[layer]
@@ -160,5 +160,5 @@ class LoraBatch:
                 # for lora_segments' widened path (2.5-3x faster on CPU than bf16 products at
                 # rank 8-16; twice the bytes of the adapter's pages, freed with it)
                 a, bt = a.float(), bt.float()
-            blocks.append(reference.ModuleBlocks(start, end, a.t(), bt))
+            blocks.append(cpu.ModuleBlocks(start, end, a.t(), bt))
         return tuple(blocks)

@@ -1,5 +1,6 @@
-"""Turns a scheduled batch into tensors, runs the model, and returns the logits of the
-requests whose known tokens are now all computed (those sample a new token)."""
+"""Turns a scheduled batch into tensors, performs the copies it carries (adapter weights into
+pages, copy-on-write pages), runs the model, and returns the logits of the requests whose
+known tokens are now all computed (those sample a new token), each row mapped to its request."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ import torch
 
 from loraplex.kernels.metadata import AttentionMetadata
 from loraplex.server.engine.adapter_cache import AdapterManager
+from loraplex.server.engine.batch import ScheduledBatch
 from loraplex.server.engine.lora import LoraBatch, lora_ops
 from loraplex.server.engine.models.llama import ForwardContext, LlamaModel
 from loraplex.server.engine.request import Request, TokenLogprob
 from loraplex.server.engine.sampler import token_logprobs
-from loraplex.server.engine.scheduler import ScheduledBatch
 
 # Prompt logprobs take logits of every prompt position that asks: computed this many rows at
 # a time, so a long prefill chunk never holds [chunk, vocab] float32 logits at once.
@@ -34,23 +35,37 @@ class StepTokens(NamedTuple):
 
 
 class RunOutput(NamedTuple):
-    # The request of each logits row: one row per sampling request, 1 + d adjacent rows for
-    # a request verifying a draft of d tokens (speculation).
-    sampling_requests: list[Request]
-    logits: torch.Tensor  # [len(sampling_requests), vocab] float32
+    """A step's logits, each row mapped to the request it belongs to.
+
+    A request owns one row (its last token's) when its known tokens are all computed after
+    the step; a request verifying a draft of d tokens owns 1 + d adjacent rows (speculation),
+    so readers go through ``row_requests`` and ``rows_of``, never through row = request.
+    """
+
+    row_requests: list[Request]  # [R] the request of each row
+    logits: torch.Tensor  # [R, vocab] float32
     # Per request that asked: the prompt logprobs this step computed, continuing its list.
     prompt_logprobs: tuple[tuple[Request, list[TokenLogprob]], ...] = ()
 
+    @property
+    def requests(self) -> list[Request]:
+        """The distinct requests that own rows, in row order."""
+        return list({id(r): r for r in self.row_requests}.values())
+
+    def rows_of(self, request: Request) -> list[int]:
+        """The rows ``request`` owns, in order."""
+        return [i for i, r in enumerate(self.row_requests) if r is request]
+
 
 def attention_kernels(name: str) -> tuple[Callable[..., None], Callable[..., torch.Tensor]]:
-    """(write_kv, paged_attention) for ``torch`` (the references) or ``triton``."""
+    """(write_kv, paged_attention) for ``torch`` (the CPU kernels) or ``triton``."""
     if name == "triton":
         from loraplex.kernels import paged_attention as triton_attention
 
         return triton_attention.write_kv, triton_attention.paged_attention
-    from loraplex.kernels import reference
+    from loraplex.kernels import cpu
 
-    return reference.write_kv, reference.paged_attention
+    return cpu.write_kv, cpu.paged_attention
 
 
 class ModelRunner:
@@ -77,8 +92,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, adapters: AdapterManager | None = None) -> RunOutput:
-        """Compute ``batch``; logits only for the requests that will sample."""
+        """Compute ``batch``: first the copies it carries (adapter weights into their
+        reserved pages, then copy-on-write pages), then the forward pass; logits only for
+        the requests that will sample."""
         with self.device_context():
+            if adapters is not None and batch.adapter_loads:
+                adapters.copy_in(batch.adapter_loads)
             return self._run(batch, adapters)
 
     def _run(self, batch: ScheduledBatch, adapters: AdapterManager | None) -> RunOutput:

@@ -114,6 +114,26 @@ class Request:
     def finished(self) -> bool:
         return self.status.finished
 
+    def append_token(self, token: int, logprob: TokenLogprob | None) -> None:
+        self.output_token_ids.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+
+    def stop_status(self, token: int, eos_token_ids: frozenset[int],
+                    max_model_len: int | None) -> RequestStatus | None:
+        """How the request finishes with ``token``, its last appended, by a rule that needs
+        no text: its grammar completes (its matcher accepts the token here), a stop token,
+        EOS unless ``ignore_eos``, ``max_tokens``, the model's length; None: it goes on."""
+        params = self.params
+        if self.grammar is not None and self.grammar.accept(self, token):
+            return RequestStatus.FINISHED_STOPPED  # the grammar is complete
+        if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= params.max_tokens or (
+                max_model_len is not None and self.num_tokens >= max_model_len):
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
 
 @dataclass
 class RequestOutput:

@@ -12,55 +12,30 @@ function, ``step_cost.py``) stays within the target: stall-free batching as in S
 
 from __future__ import annotations
 
+import logging
+import math
 from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Callable, Iterable, Sequence
 
 from loraplex.server.config import SchedulerConfig
+from loraplex.server.engine.batch import (
+    Accepted,
+    AdapterLoad,
+    AdmissionGate,
+    ScheduledBatch,
+    StepUpdate,
+    TokenUpdate,
+)
 from loraplex.server.engine.fairness import VirtualTokenCounter
 from loraplex.server.engine.pager import Pager
 from loraplex.server.engine.prefix_cache import PrefixCache
-from loraplex.server.engine.request import Request, RequestStatus
-from loraplex.server.engine.spec.speculator import Speculator
+from loraplex.server.engine.request import Request, RequestStatus, TokenLogprob
+from loraplex.server.engine.spec.speculator import Speculator, roll_back
 from loraplex.server.engine.step_cost import StepShape, StepShapeBuilder
 
+logger = logging.getLogger(__name__)
+
 StepCost = Callable[[StepShape], float]  # predicted seconds of a step of that shape
-
-
-class AdmissionGate(Protocol):
-    """What the scheduler asks before admitting a request beyond its KV pages (the adapter
-    cache implements it: an adapter must be loaded and its pages held while a request runs)."""
-
-    def ready(self, request: Request) -> bool: ...
-
-    def pages_needed(self, request: Request) -> int: ...
-
-    def pages_to_load(self, request: Request) -> int: ...
-
-    def acquire(self, request: Request) -> None: ...
-
-    def release(self, request: Request) -> None: ...
-
-
-@dataclass(frozen=True)
-class ScheduledBatch:
-    """One step's work: ``requests[i]`` computes its next ``num_new_tokens[i]`` tokens."""
-
-    requests: list[Request]
-    num_new_tokens: list[int]
-    preempted: list[Request]
-    # (source, destination) KV pages the runner copies, in every layer, before the forward
-    # pass: a sequence's first write into a page it shares with its siblings.
-    page_copies: list[tuple[int, int]] = field(default_factory=list)
-    shape: StepShape = StepShape()  # what its time is predicted from (step_cost.py)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    def __len__(self) -> int:
-        return len(self.requests)
 
 
 class Scheduler:
@@ -69,6 +44,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, pager: Pager,
                  gate: AdmissionGate | None = None,
                  prefix_cache: PrefixCache | None = None, cost: StepCost | None = None,
+                 eos_token_ids: Iterable[int] = (), max_model_len: int | None = None,
                  speculator: Speculator | None = None) -> None:
         """An empty scheduler (nothing waiting, nothing running).
 
@@ -80,6 +56,9 @@ class Scheduler:
             cost: predicted seconds of a step of a given shape (``StepCostModel.predict``);
                 with ``target_itl_ms`` it sizes each step's prefill. The scheduler itself
                 reads no clock.
+            eos_token_ids: the model's end-of-sequence tokens (a request stops at one
+                unless ``ignore_eos``).
+            max_model_len: a request stops, ``length``, when it reaches this many tokens.
             speculator: speculative decoding, if on: each step's decode requests get their
                 drafts first, and compute ``1 + d`` tokens (``Request.draft_token_ids``).
         """
@@ -94,16 +73,43 @@ class Scheduler:
         if config.scheduling == "vtc":
             self.vtc = VirtualTokenCounter(config.vtc_input_weight, config.vtc_output_weight,
                                            dict(config.tenant_weights))
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
         self.speculator = speculator
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # A prompt's sequences 1..n-1, by its sequence 0's id, until that one has prefilled
+        # the prompt once: they then fork off it (``update``), on its pages.
+        self._unforked: dict[str, list[Request]] = {}
+        self._orphans: list[Request] = []  # siblings that ended with their unforked parent
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, siblings: Sequence[Request] = ()) -> None:
+        """Queue ``request``; ``siblings`` (the other sequences of an ``n > 1`` prompt) fork
+        off it once it has computed the prompt, and count against ``max_num_seqs`` with it
+        from its admission on."""
         if self.vtc is not None:
             active = {r.tenant for r in self.running} | {r.tenant for r in self.waiting}
             self.vtc.on_arrival(request.tenant, active)
+        if siblings:
+            self._unforked[request.request_id] = list(siblings)
         self.waiting.append(request)
+
+    def pending_forks(self, request: Request) -> tuple[Request, ...]:
+        """The siblings that fork off ``request`` when it next samples (they sample from its
+        logits row in that step)."""
+        return tuple(self._unforked.get(request.request_id, ()))
+
+    def take_orphans(self) -> list[Request]:
+        """Siblings finished because their sequence 0 ended before forking them (each with
+        its status and error), since the last call."""
+        orphans, self._orphans = self._orphans, []
+        return orphans
+
+    def _num_slots(self, request: Request) -> int:
+        # A sequence 0 holds running slots for its unforked siblings too: forking them must
+        # never take the running count past max_num_seqs.
+        return 1 + len(self._unforked.get(request.request_id, ()))
 
     def _next_waiting(self, passed: set[str]) -> Request | None:
         candidates = (r for r in self.waiting if r.request_id not in passed)
@@ -176,8 +182,13 @@ class Scheduler:
             return max(lo, floor)
         return lo if lo >= floor else 0
 
-    def schedule(self) -> ScheduledBatch:
-        """Pick this step's batch, allocating the pages it needs.
+    def schedule(self, now: float | None = None) -> ScheduledBatch:
+        """Pick this step's batch, allocating the pages it needs (and reserving adapters'
+        pages, whose copies the batch carries: ``adapter_loads``).
+
+        First, waiting requests that can never run are finished and reported in ``refused``
+        (``_refusal``); ``now`` (the caller's clock: the scheduler reads none) times out
+        grammars still compiling, and without it only failed compiles are refused.
 
         Running requests go first, in admission order, each its next chunk under the token
         budget (``max_num_batched_tokens``); then waiting requests are admitted while the
@@ -197,7 +208,13 @@ class Scheduler:
         ceil(P_j / m)`` steps, ``P_j`` being the prompt tokens still to compute of itself and
         of every request ahead of it, as long as the decodes leave room in the token budget
         and the pager and ``max_num_seqs`` admit it (preemption restarts the count).
+
+        ``max_num_seqs`` counts a sequence 0 with its unforked siblings: a request of n
+        sequences is admitted only when n running slots are free.
         """
+        refused = self._refuse(now)
+        if self.gate is not None:
+            self.gate.begin_step()
         if self.speculator is not None:
             # Drafts first (they size the decode rows); a request whose draft was dropped
             # below (pages, budget) verifies less or nothing, and decodes one token.
@@ -208,6 +225,7 @@ class Scheduler:
         counts: list[int] = []
         preempted: list[Request] = []
         copies: list[tuple[int, int]] = []
+        loads: list[AdapterLoad] = []
         shape = StepShapeBuilder()
         sizing = self._target is not None
         # decode rows not visited yet, with the tokens held for them (target only)
@@ -276,9 +294,10 @@ class Scheduler:
         passed: set[str] = set()  # waiting requests passed over this step, keeping their place
         cap = self.config.max_adapters_per_step
         active = {r.adapter_digest for r in self.running if r.adapter_digest} if cap else set()
-        while not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        slots = sum(self._num_slots(r) for r in self.running)
+        while not preempted and budget > 0 and slots < self.config.max_num_seqs:
             req = self._next_waiting(passed)
-            if req is None:
+            if req is None or slots + self._num_slots(req) > self.config.max_num_seqs:
                 break
             if self.gate is not None and not self.gate.ready(req):
                 passed.add(req.request_id)  # its adapter is still loading
@@ -298,18 +317,21 @@ class Scheduler:
             need = self._pages_for(req, req.num_computed_tokens + n)
             extra = self.gate.pages_needed(req) if self.gate is not None else 0
             if n <= 0 or not self.pager.can_allocate(need + extra):
-                if matched:
-                    self.pager.free(matched[::-1])  # last first, as _release does
+                if matched and self.prefix_cache is not None:
+                    self.prefix_cache.unmatch(req, matched)
                     req.page_ids, req.num_computed_tokens = [], 0
                 break
             if self.prefix_cache is not None:
                 self.prefix_cache.record_admission(req, req.num_computed_tokens)
             self.waiting.remove(req)
             if self.gate is not None:
-                self.gate.acquire(req)
+                load = self.gate.acquire(req)
+                if load is not None:
+                    loads.append(load)
             req.page_ids.extend(self.pager.allocate(need))
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            slots += self._num_slots(req)
             if cap and digest:
                 active.add(digest)
             decode = self._decoding(req)
@@ -319,7 +341,43 @@ class Scheduler:
             scheduled.append(req)
             counts.append(n)
             budget -= n
-        return ScheduledBatch(scheduled, counts, preempted, copies, shape.shape())
+        return ScheduledBatch(scheduled, counts, preempted, copies, shape.shape(), loads,
+                              refused)
+
+    def _refuse(self, now: float | None) -> list[tuple[Request, str]]:
+        failures = self.gate.take_failures() if self.gate is not None else {}
+        refused = []
+        for req in list(self.waiting):
+            error = self._refusal(req, failures, now)
+            if error is not None:
+                req.error = error
+                self.finish(req, RequestStatus.FINISHED_ERROR)
+                refused.append((req, error))
+        return refused
+
+    def _refusal(self, req: Request, failures: dict[str, str], now: float | None
+                 ) -> str | None:
+        """Why a waiting request can never run, or None: its adapter failed to load, its
+        adapter and KV pages cannot fit the pool together, its grammar failed to compile or
+        compiles for too long (``structured.*``), or its sequences exceed ``max_num_seqs``."""
+        digest = req.adapter_digest
+        if digest is not None and self.gate is not None:
+            if digest in failures:
+                return failures[digest]
+            pages = self.gate.host_pages(digest)
+            kv_pages = -(-req.max_total_tokens // self.config.page_size)
+            if pages is not None and pages + kv_pages > self.pager.num_pages:
+                return (f"adapter: {digest[:12]} needs {pages} pages beside {kv_pages} KV "
+                        f"pages; the pool has {self.pager.num_pages}")
+        if req.grammar is not None:
+            error = req.grammar.poll(now if now is not None else -math.inf)
+            if error is not None:
+                return error
+        num_seqs = self._num_slots(req)
+        if num_seqs > self.config.max_num_seqs:
+            return (f"n: {num_seqs} sequences exceed the engine's max_num_seqs "
+                    f"({self.config.max_num_seqs})")
+        return None
 
     def _shared_tail(self, request: Request) -> int | None:
         """The index of the partly filled page the request writes next, when siblings share
@@ -342,8 +400,113 @@ class Scheduler:
             child.num_charged_tokens = parent.num_charged_tokens
             child.status = RequestStatus.RUNNING
             if self.gate is not None:
+                # The parent runs with the adapter pinned: resident, so nothing to copy.
                 self.gate.acquire(child)
             self.running.append(child)
+
+    def update(self, batch: ScheduledBatch, accepted: Sequence[Accepted],
+               prompt_logprobs: Iterable[tuple[Request, list[TokenLogprob]]] = (),
+               now: float | None = None) -> StepUpdate:
+        """Record a step's results: what the batch computed, then the tokens accepted.
+
+        Every scheduled request advances ``num_computed_tokens`` by its chunk (stamped
+        ``first_scheduled_time = now`` on its first step) and offers its newly filled pages to
+        the prefix cache; a sequence 0 that accepts its first token forks its siblings onto
+        its pages (``fork``); then each request appends its accepted tokens (``accept``).
+        Requests that finish (by a stop token, EOS, length or grammar completion: every
+        finish that needs no text) return their pages now. A failure here is one request's:
+        it finishes that request with the error, and the rest go on. A request that verified
+        a draft advances by its last known token only, then by the draft tokens it accepted
+        (``_accept_verified``), and the rest of its chunk is rolled back.
+
+        Args:
+            batch: what ``schedule`` returned for this step.
+            accepted: per request, the tokens it accepts, in order (a forked sibling after
+                its sequence 0).
+            prompt_logprobs: the prompt logprobs the step computed, continuing each list.
+            now: the caller's clock.
+        """
+        failed: list[Request] = []
+        for req, entries in prompt_logprobs:
+            req.prompt_logprobs.extend(entries)
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            try:
+                # A draft's positions count once verified (``_accept_verified``).
+                req.num_computed_tokens += n - len(req.draft_token_ids)
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = now
+                if self.prefix_cache is not None:
+                    self.prefix_cache.register(req)
+            except Exception as exc:
+                failed.append(self._fail(req, f"internal error after the model step: {exc}"))
+        tokens: list[TokenUpdate] = []
+        for entry in accepted:
+            req = entry.request
+            if req.status is not RequestStatus.RUNNING:
+                continue  # failed above, or a sibling whose sequence 0 did not accept
+            try:
+                children = self._unforked.pop(req.request_id, None)
+                if children:
+                    self.fork(req, children)
+                if req.draft_token_ids:
+                    tokens.append(self._accept_verified(req, entry.token_ids, entry.logprobs))
+                else:
+                    tokens.append(self.accept(req, entry.token_ids, entry.logprobs))
+            except Exception as exc:
+                failed.append(self._fail(req, f"internal error in postprocessing: {exc}"))
+        for req in batch.requests:
+            req.draft_token_ids = []
+        return StepUpdate(tokens, failed)
+
+    def _accept_verified(self, request: Request, token_ids: Sequence[int],
+                         logprobs: Sequence[TokenLogprob | None]) -> TokenUpdate:
+        """``accept`` for the tokens of a verified draft (its accepted prefix, then the
+        target's own token: ``Speculator.verify``), keeping the KV of accepted positions only.
+
+        Invariant: before token ``j`` is appended, ``num_computed_tokens`` counts the known
+        positions whose KV this step left valid (the last known token, then ``j`` accepted
+        draft tokens) and the prefix cache has seen each newly full page, so pages and cache
+        entries are those of decoding without speculation; what only the rejected tail used
+        goes back to the pager (``roll_back``)."""
+        base = request.num_computed_tokens
+        status = None
+        taken = 0
+        for j, (token, lp) in enumerate(zip(token_ids, logprobs)):
+            if j:
+                request.num_computed_tokens = base + j
+                if self.prefix_cache is not None:
+                    self.prefix_cache.register(request)
+            request.append_token(token, lp)
+            taken += 1
+            status = request.stop_status(token, self.eos_token_ids, self.max_model_len)
+            if status is not None:
+                self.finish(request, status)
+                break
+        if status is None:
+            roll_back(request, base + len(token_ids) - 1, self.config.page_size, self.pager)
+        return TokenUpdate(request, list(token_ids[:taken]), list(logprobs[:taken]), status)
+
+    def accept(self, request: Request, token_ids: Sequence[int],
+               logprobs: Sequence[TokenLogprob | None]) -> TokenUpdate:
+        """Append tokens to a running request up to the first that finishes it (grammar
+        complete, a stop token, EOS unless ``ignore_eos``, ``max_tokens``, the model's
+        length); a finished request returns its pages at once."""
+        status = None
+        taken = 0
+        for token, lp in zip(token_ids, logprobs):
+            request.append_token(token, lp)
+            taken += 1
+            status = request.stop_status(token, self.eos_token_ids, self.max_model_len)
+            if status is not None:
+                self.finish(request, status)
+                break
+        return TokenUpdate(request, list(token_ids[:taken]), list(logprobs[:taken]), status)
+
+    def _fail(self, request: Request, error: str) -> Request:
+        logger.exception("request %s failed: %s", request.request_id, error)
+        request.error = error
+        self.finish(request, RequestStatus.FINISHED_ERROR)
+        return request
 
     def _preempt(self, request: Request) -> None:
         # Recompute: drop the KV, keep the tokens; the request re-enters at the queue's head.
@@ -368,10 +531,19 @@ class Scheduler:
             self.gate.release(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """End a request (finished, aborted or failed) and return its pages at once."""
+        """End a request (finished, aborted or failed) and return its pages at once; its
+        unforked siblings end with it (``take_orphans``). Finishing a finished request again
+        sets only its status (a stop string found after a length finish is a stop)."""
+        if request.finished:
+            request.status = status
+            return
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self._release(request, finished=True)
         request.status = status
+        for child in self._unforked.pop(request.request_id, []):
+            child.error = request.error
+            child.status = status
+            self._orphans.append(child)

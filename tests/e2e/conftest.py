@@ -7,11 +7,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 
 from loraplex.server.commands import write_demo_adapter
 from tests.helpers import make_model
-from tests.redis_server import REDIS_BIN, RedisServer
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -38,23 +36,3 @@ def adapter_dirs(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> d
     return {name: write_demo_adapter(root / name, str(model_dir), rank, targets, seed=i,
                                      std=0.2)
             for i, (name, (rank, targets)) in enumerate(specs.items())}
-
-
-@pytest.fixture(scope="session")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    """One real redis-server for the session (skipped, with the reason, without the binary;
-    CI installs it)."""
-    if REDIS_BIN is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server; CI does)")
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def redis_url(redis_server: RedisServer) -> str:
-    """The session's redis-server, flushed for this test."""
-    client = redis.Redis.from_url(redis_server.url)
-    client.flushall()
-    client.close()
-    return redis_server.url

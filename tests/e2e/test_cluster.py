@@ -12,8 +12,8 @@ import grpc
 import pytest
 
 from loraplex.server.client import Client, ServiceError
-from loraplex.server.convert import ClientStub
 from loraplex.server.router import rendezvous_score
+from loraplex.server.wire.stubs import ClientStub
 from tests.e2e.harness import Cluster, WorkerProcess, wait_for
 
 

@@ -10,12 +10,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from loraplex.server import convert
 from loraplex.server.api import FileHeader, ServiceError, UploadMetadata
 from loraplex.server.cli import main as cli_main
 from loraplex.server.engine.engine import Engine
 from loraplex.server.engine.llm import LLM
 from loraplex.server.engine.request import SamplingParams
+from loraplex.server.wire.stubs import ClientStub
 from tests.e2e.harness import Cluster, engine_config, write_keys
 
 KEYS = {"acme-key-0123456789": ("acme", False), "globex-key-0123456789": ("globex", False),
@@ -131,7 +131,7 @@ def test_upload_refusals_name_the_file(cluster: Cluster, adapter_dirs: dict[str,
 
     def upload(parts: list) -> tuple[grpc.StatusCode, str]:
         with grpc.insecure_channel(cluster.address) as channel:
-            stub = convert.ClientStub(channel)
+            stub = ClientStub(channel)
             return status_of(stub.upload, parts, [("authorization", f"Bearer {ACME}")], 30)
 
     def file_parts(name: str, data: bytes, sha: str | None = None, size: int | None = None

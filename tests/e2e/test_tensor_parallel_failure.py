@@ -15,9 +15,10 @@ import pytest
 
 from loraplex.server.api import WorkerRequest
 from loraplex.server.client import ServiceError
-from loraplex.server.convert import ClientStub, worker_request_to_pb
 from loraplex.server.engine.request import SamplingParams
 from loraplex.server.launch import EXIT_ENGINE_FAILED
+from loraplex.server.wire.messages import worker_request_to_pb
+from loraplex.server.wire.stubs import ClientStub
 from loraplex.v1 import worker_pb2_grpc
 from tests.e2e.harness import Cluster, WorkerProcess, wait_for
 

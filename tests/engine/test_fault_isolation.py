@@ -121,7 +121,7 @@ def test_failure_in_one_requests_postprocessing_fails_it_alone(tiny_llama):
         def finish(self):
             return ""
 
-    engine._detok["bad"] = BrokenDetokenizer()
+    engine.outputs._detok["bad"] = BrokenDetokenizer()
     outputs = {}
     while engine.has_unfinished():
         for out in engine.step():

@@ -147,3 +147,39 @@ def test_n_bounds():
         SamplingParams(n=0)
     with pytest.raises(ValueError, match="^n:"):
         SamplingParams(n=65)
+
+
+def test_siblings_count_against_max_num_seqs_from_admission(tiny_llama):
+    # Issue 19: the n sequences of a prompt hold n running slots from sequence 0's admission
+    # on, so forking never takes the running count past max_num_seqs.
+    engine = _engine(tiny_llama, max_num_seqs=4)
+    prompts = random_prompts(3, seed=52, low=6, high=9)
+    engine.add_request("group", prompts[0], dataclasses.replace(GREEDY, max_tokens=4))
+    engine.add_request("a", prompts[1], SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.add_request("b", prompts[2], SamplingParams(max_tokens=4, ignore_eos=True))
+    tokens: dict[tuple[str, int], list[int]] = {}
+    most = 0
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            tokens.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
+        most = max(most, engine.stats().num_running)
+    assert not engine.has_unfinished()
+    assert most <= 4
+    assert sorted(tokens) == [("a", 0), ("b", 0)] + [("group", i) for i in range(4)]
+    assert all(len(t) == 4 for t in tokens.values())
+    assert_pages_idle(engine)
+
+
+def test_more_sequences_than_max_num_seqs_fail_with_a_reason(tiny_llama):
+    engine = _engine(tiny_llama, max_num_seqs=2)
+    engine.add_request("g", [1, 2, 3], dataclasses.replace(GREEDY, max_tokens=2))
+    outputs = []
+    while engine.has_unfinished():
+        outputs.extend(engine.step())
+    assert sorted(o.index for o in outputs) == [0, 1, 2, 3]
+    assert all(o.finish_reason == "error" for o in outputs)
+    assert all(o.error == "n: 4 sequences exceed the engine's max_num_seqs (2)"
+               for o in outputs)
+    assert_pages_idle(engine)

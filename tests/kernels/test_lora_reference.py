@@ -1,5 +1,5 @@
 """The LoRA reference ops against dense math on the plain A / B tensors: this is what makes
-them the oracle for the Triton kernels (and the CPU path of the engine)."""
+them the oracle for the Triton kernels and the engine's CPU path (``tests/kernels/test_cpu.py``)."""
 
 from __future__ import annotations
 
@@ -83,47 +83,3 @@ def test_reference_refuses_bad_segments(indptr: list[int], ranks: list[int], mat
         reference.lora_shrink(x, pool, table, torch.tensor(indptr, dtype=torch.int32),
                               torch.tensor(ranks, dtype=torch.int32),
                               torch.zeros(len(ranks), dtype=torch.int64), max_rank=4)
-
-
-def _segment_blocks(batch, start: int = 0) -> list[reference.SegmentBlocks]:
-    bounds = batch.seg_indptr.tolist()
-    d_in = batch.x.shape[1]
-    segments = []
-    for s, rank in enumerate(batch.ranks.tolist()):
-        if rank == 0 or bounds[s] == bounds[s + 1]:
-            continue
-        pages = batch.page_table[s]
-        a = reference.region_rows(batch.pool, pages, int(batch.a_offsets[s]), rank, d_in)
-        bt = reference.region_rows(batch.pool, pages, int(batch.b_offsets[s]), rank,
-                                   batch.d_out)
-        segments.append(reference.SegmentBlocks(bounds[s], bounds[s + 1],
-                                                batch.scales[s].item(), [reference.ModuleBlocks(
-                                                    start, start + batch.d_out, a.t(), bt)]))
-    return segments
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("pattern", PATTERNS)
-def test_segments_equal_shrink_then_expand(pattern: str, shape: str, dtype: torch.dtype) -> None:
-    # The engine's CPU path (blocks resolved once, segment by segment) against the op-signature
-    # references it replaces. Blocks cross pages here (page_elems 80 against rows of 100), so
-    # some are copies and some views. fp16 runs the same operations: the same bits. In fp32 the
-    # expand is one addmm, which may sum in another order than mm then add (and fuse the
-    # scaled add): a few ulp, within the fp32 row of TOLERANCE.
-    batch = make_batch(pattern, SHAPES[shape], d_in=100, d_out=72, page_elems=80, dtype=dtype)
-    y0 = torch.randn(batch.x.shape[0], 72 + 30, device=DEVICE).to(dtype)
-    expected = y0.clone()
-    h = reference.lora_shrink(batch.x, batch.pool, batch.page_table, batch.seg_indptr,
-                              batch.ranks, batch.a_offsets, batch.max_rank)
-    reference.lora_expand(h, batch.pool, batch.page_table, batch.seg_indptr, batch.ranks,
-                          batch.b_offsets, batch.scales, expected[:, 30:])
-    y = y0.clone()
-    reference.lora_segments(batch.x, y, _segment_blocks(batch, start=30))
-    if dtype == torch.float16:
-        assert torch.equal(y, expected)
-    else:
-        rtol, atol = TOLERANCE[dtype]
-        torch.testing.assert_close(y, expected, rtol=rtol, atol=atol)
-    assert not torch.equal(y, y0)  # the adapters did add something
-    assert torch.equal(y[:, :30], y0[:, :30])  # columns of other modules untouched

@@ -12,7 +12,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import redis
 import safetensors.torch
 import torch
 
@@ -20,7 +19,7 @@ from loraplex.adapter_store.fs_store import FsAdapterStore
 from loraplex.adapter_store.redis_store import RedisAdapterStore
 from loraplex.adapter_store.store import AdapterStore
 from loraplex.server.engine.models.config import LORA_MODULES, ModelConfig
-from tests.redis_server import REDIS_BIN, RedisServer
+from tests.redis_server import RedisServer
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64,
@@ -104,13 +103,6 @@ def make_adapter(tmp_path: Path, base_config: ModelConfig) -> Callable[..., Path
 # ---------------------------------------------------------------------------- redis-server
 
 
-@pytest.fixture(scope="session")
-def redis_binary() -> str:
-    if REDIS_BIN is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server; CI does)")
-    return REDIS_BIN
-
-
 @pytest.fixture
 def redis_factory(redis_binary: str, tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
     """Start dedicated servers (``factory(*args, password=, tls=)``); all stopped after."""
@@ -125,23 +117,6 @@ def redis_factory(redis_binary: str, tmp_path: Path) -> Iterator[Callable[..., R
     yield start
     for server in servers:
         server.stop()
-
-
-@pytest.fixture(scope="session")
-def redis_server(redis_binary: str, tmp_path_factory: pytest.TempPathFactory
-                 ) -> Iterator[RedisServer]:
-    """One plain server shared by the session (each test gets it flushed)."""
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def redis_url(redis_server: RedisServer) -> str:
-    client = redis.Redis.from_url(redis_server.url)
-    client.flushall()
-    client.close()
-    return redis_server.url
 
 
 @pytest.fixture(params=["fs", "redis"])

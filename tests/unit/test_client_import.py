@@ -19,7 +19,7 @@ class NoTorch:
 sys.meta_path.insert(0, NoTorch())
 
 from loraplex.server import client
-from loraplex.server.convert import generate_request_from_pb, generate_request_to_pb
+from loraplex.server.wire.messages import generate_request_from_pb, generate_request_to_pb
 
 request = client._request(None, "my-lora", None, "", {"max_tokens": 3},
                           messages=[{"role": "user", "content": "Hi"}])

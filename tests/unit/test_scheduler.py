@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from loraplex.server.config import SchedulerConfig
+from loraplex.server.engine.batch import Accepted, AdapterLoad, TokenUpdate
 from loraplex.server.engine.pager import Pager
 from loraplex.server.engine.request import Request, RequestStatus, SamplingParams
 from loraplex.server.engine.scheduler import Scheduler
@@ -153,6 +154,15 @@ class StubGate:
     def release(self, request):
         pass
 
+    def begin_step(self):
+        pass
+
+    def take_failures(self):
+        return {}
+
+    def host_pages(self, digest):
+        return None
+
 
 def test_a_loading_adapter_does_not_block_the_queue():
     gate = StubGate(loading={"slow"})
@@ -224,3 +234,103 @@ def test_forked_sequences_are_charged_their_outputs_not_the_prompt_again():
     sched.fork(parent, children)
     fake_step(sched)  # three decodes of one token each (output weight 2)
     assert sched.vtc.counters["default"] == 6 + 3 * 2
+
+
+class SizedGate(StubGate):
+    """A gate whose adapters are ``pages`` pages, and some of whose loads failed."""
+
+    def __init__(self, pages, failures=()):
+        super().__init__()
+        self.pages, self.failures = pages, dict(failures)
+
+    def take_failures(self):
+        failures, self.failures = self.failures, {}
+        return failures
+
+    def host_pages(self, digest):
+        return self.pages
+
+    def acquire(self, request):
+        super().acquire(request)
+        return AdapterLoad(request.adapter_digest, (0, 1)) if request.adapter_digest else None
+
+
+def test_requests_that_can_never_run_are_refused_with_their_reason():
+    sched = Scheduler(SchedulerConfig(page_size=4), Pager(16),
+                      SizedGate(14, failures={"broken": "adapter broken failed to load: no"}))
+    big = make_request("big", 8, 4)  # 3 KV pages beside 14 adapter pages: over 16
+    big.adapter_digest = "huge"
+    broken = make_request("broken", 4, 2)
+    broken.adapter_digest = "broken"
+    sched.add(big)
+    sched.add(broken)
+    sched.add(make_request("plain", 4, 2))
+    batch = sched.schedule()
+    assert [(r.request_id, why) for r, why in batch.refused] == [
+        ("big", "adapter: huge needs 14 pages beside 3 KV pages; the pool has 16"),
+        ("broken", "adapter broken failed to load: no")]
+    assert big.status is RequestStatus.FINISHED_ERROR and big.error.startswith("adapter: huge")
+    assert [r.request_id for r in batch.requests] == ["plain"]
+
+
+def test_the_batch_carries_the_adapter_copies_admission_reserved():
+    sched = Scheduler(SchedulerConfig(page_size=4), Pager(16), SizedGate(2))
+    req = make_request("r", 4, 2)
+    req.adapter_digest = "a"
+    sched.add(req)
+    sched.add(make_request("base", 4, 2))
+    batch = sched.schedule()
+    assert batch.adapter_loads == [AdapterLoad("a", (0, 1))]
+
+
+def test_update_advances_and_accepts_tokens_up_to_the_first_that_finishes():
+    pager = Pager(16)
+    sched = Scheduler(SchedulerConfig(page_size=4), pager, eos_token_ids=[99])
+    req = make_request("r", 5, 10)
+    sched.add(req)
+    batch = sched.schedule()
+    # Several tokens per request (speculation's shape): EOS at the second ends it there.
+    update = sched.update(batch, [Accepted(req, [7, 99, 8], [None, None, None])], now=3.0)
+    assert req.num_computed_tokens == 5 and req.first_scheduled_time == 3.0
+    assert update.tokens == [TokenUpdate(req, [7, 99], [None, None],
+                                         RequestStatus.FINISHED_STOPPED)]
+    assert req.output_token_ids == [7, 99] and req.finished
+    assert not sched.has_unfinished() and pager.num_free == 16
+
+
+def test_update_forks_the_siblings_when_sequence_zero_accepts():
+    pager = Pager(16)
+    sched = Scheduler(SchedulerConfig(page_size=4, max_num_seqs=3), pager)
+    parent = make_request("p", 6, 4)
+    children = [make_request(f"c{i}", 6, 4) for i in range(2)]
+    sched.add(parent, children)
+    assert sched.pending_forks(parent) == tuple(children)
+    batch = sched.schedule()
+    update = sched.update(batch, [Accepted(r, [i], [None]) for i, r in
+                                  enumerate([parent, *children])])
+    assert [u.token_ids for u in update.tokens] == [[0], [1], [2]]
+    assert all(r.status is RequestStatus.RUNNING for r in children)
+    assert sched.num_running == 3 and pager.stats().num_kv == 2  # the prompt's pages, once
+    for r in (parent, *children):
+        sched.finish(r, RequestStatus.FINISHED_ABORTED)
+    assert pager.num_free == 16
+
+
+def test_a_group_waits_for_all_its_running_slots():
+    sched = Scheduler(SchedulerConfig(page_size=4, max_num_seqs=3), Pager(64))
+    sched.add(make_request("solo", 4, 3))
+    sched.add(make_request("p", 4, 3), [make_request(f"c{i}", 4, 3) for i in range(2)])
+    scheduled, _ = fake_step(sched)
+    assert [r for r, _ in scheduled] == ["solo"]  # the group needs 3 slots; 2 are free
+
+
+def test_a_sequence_zero_ending_before_the_fork_ends_its_siblings():
+    sched = Scheduler(SchedulerConfig(page_size=4), Pager(16))
+    parent = make_request("p", 4, 3)
+    children = [make_request(f"c{i}", 4, 3) for i in range(2)]
+    sched.add(parent, children)
+    parent.error = "gone"
+    sched.finish(parent, RequestStatus.FINISHED_ERROR)
+    orphans = sched.take_orphans()
+    assert orphans == children and all(c.error == "gone" and c.finished for c in orphans)
+    assert sched.take_orphans() == []

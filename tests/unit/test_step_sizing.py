@@ -56,6 +56,15 @@ class Gate:
     def release(self, request):
         pass
 
+    def begin_step(self):
+        pass
+
+    def take_failures(self):
+        return {}
+
+    def host_pages(self, digest):
+        return None
+
 
 class Driver:
     """Steps a scheduler as the engine would, recording every batch and its true shape."""

@@ -9,6 +9,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -27,27 +28,40 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
-DEMO_HF_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 320,
-    "hidden_size": 256,
-    "intermediate_size": 688,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 32,
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-    "attention_bias": False,
-    "hidden_act": "silu",
-    "bos_token_id": BOS,
-    "eos_token_id": EOS,
-    "pad_token_id": PAD,
-    "torch_dtype": "float32",
-}
+
+def llama_hf_config(*, vocab_size: int, hidden_size: int, intermediate_size: int,
+                    num_hidden_layers: int, num_attention_heads: int, num_key_value_heads: int,
+                    head_dim: int, max_position_embeddings: int = 2048,
+                    attention_bias: bool | None = None, torch_dtype: str = "float32"
+                    ) -> dict[str, Any]:
+    """The ``config.json`` of a random Llama with the byte tokenizer's special tokens: the
+    demo model's, the benchmarks' and the tests' (they differ only in these sizes).
+    ``attention_bias`` None leaves the key out (transformers' default, False)."""
+    cfg: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_hidden_layers,
+        "num_attention_heads": num_attention_heads,
+        "num_key_value_heads": num_key_value_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    }
+    if attention_bias is not None:
+        cfg["attention_bias"] = attention_bias
+    cfg.update({"hidden_act": "silu", "bos_token_id": BOS, "eos_token_id": EOS,
+                "pad_token_id": PAD, "torch_dtype": torch_dtype})
+    return cfg
+
+
+DEMO_HF_CONFIG = llama_hf_config(vocab_size=320, hidden_size=256, intermediate_size=688,
+                                 num_hidden_layers=4, num_attention_heads=8,
+                                 num_key_value_heads=4, head_dim=32, attention_bias=False)
 
 
 def demo_model_config() -> ModelConfig:

@@ -181,7 +181,8 @@ class Speculator:
     def verify(self, req: Request, target_token_ids: Sequence[int],
                generator_state: torch.Tensor | None) -> Verdict:
         """Accept ``req``'s draft against its rows' tokens (``[1 + d]``), rewind its
-        generator to one draw per emitted token, learn k, count, and clear the draft."""
+        generator to one draw per emitted token, learn k and count. The draft stays on the
+        request: ``Scheduler.update`` rolls back by it, then clears it."""
         draft = req.draft_token_ids
         verdict = verify(draft, target_token_ids)
         if generator_state is not None and req.generator is not None:
@@ -194,7 +195,6 @@ class Speculator:
                                     s.num_verifications + 1,
                                     s.num_emitted_tokens + len(verdict.token_ids),
                                     s.num_gated_tokens)
-        req.draft_token_ids = []
         return verdict
 
     def stats(self) -> SpecStats:

@@ -1,5 +1,6 @@
-"""The engine end to end, for ``bench.py`` (issue 4's last target): decode throughput with one
-distinct adapter per request against the base model, on one engine with the Triton kernels.
+"""The engine end to end, for ``kernel_bench.py`` (issue 4's last target): decode throughput
+with one distinct adapter per request against the base model, on one engine with the Triton
+kernels.
 
 Set-up: a random Llama of about 1B parameters (hidden 2048, 16 layers, 16 heads, 8 KV heads,
 intermediate 5632, vocab 32000) in bf16, written into a temporary directory with a byte
@@ -30,34 +31,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from kernel_bench_report import Row
 
-from loraplex.kernels.bench import Row
+from loraplex.server.engine.models.demo import llama_hf_config
 
-log = logging.getLogger("loraplex.kernels.bench")
+log = logging.getLogger("loraplex.benchmarks.kernel_bench")
 
 _HEADROOM_TOKENS = 64
 
-ENGINE_HF_CONFIG: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 32000,
-    "hidden_size": 2048,
-    "intermediate_size": 5632,
-    "num_hidden_layers": 16,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-    "attention_bias": False,
-    "hidden_act": "silu",
-    "bos_token_id": 256,
-    "eos_token_id": 257,
-    "pad_token_id": 258,
-    "torch_dtype": "bfloat16",
-}
+# about 1B parameters, in bf16
+ENGINE_HF_CONFIG = llama_hf_config(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                                   num_hidden_layers=16, num_attention_heads=16,
+                                   num_key_value_heads=8, head_dim=128, attention_bias=False,
+                                   torch_dtype="bfloat16")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""The report of ``bench.py``: the run's environment, a markdown table per benchmark, the
-issue's targets checked against the measured rows, and the JSON and markdown files."""
+"""The report of ``kernel_bench.py``: its ``Row``, the run's environment, a markdown table per
+benchmark, the issue's targets checked against the measured rows, and the JSON and markdown
+files."""
 
 from __future__ import annotations
 
@@ -7,14 +8,26 @@ import json
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from loraplex.kernels.bench import Row
+
+@dataclass
+class Row:
+    """One measured case: sizes, times in microseconds, derived ratios, or the error."""
+
+    bench: str
+    case: dict[str, Any]
+    bytes: int = 0
+    us: dict[str, float] = field(default_factory=dict)
+    gbps: float = 0.0
+    copy_frac: float = 0.0
+    speedup: dict[str, float] = field(default_factory=dict)
+    max_abs_err: float = 0.0
+    error: str | None = None
 
 
 def environment() -> dict[str, Any]:
@@ -25,14 +38,15 @@ def environment() -> dict[str, Any]:
     env = dict(gpu=props.name, sms=props.multi_processor_count,
                memory_gib=round(props.total_memory / 2**30, 1), torch=torch.__version__,
                triton=triton.__version__, cuda=torch.version.cuda, python=sys.version.split()[0])
-    for key, cmd in (("driver", ["nvidia-smi", "--query-gpu=driver_version",
-                                 "--format=csv,noheader"]),
-                     ("commit", ["git", "rev-parse", "HEAD"])):
-        try:
-            env[key] = subprocess.run(cmd, capture_output=True, text=True, timeout=10,
-                                      check=True).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            env[key] = "unknown"
+    from loraplex.loadtest.records import git_commit  # after import_from_checkout
+
+    try:
+        env["driver"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        env["driver"] = "unknown"
+    env["commit"] = git_commit()
     return env
 
 

@@ -12,15 +12,15 @@
   maximum rank. All are timed with a hot L2 (one working set, replayed).
 * Paged decode attention against ``scaled_dot_product_attention`` on the same K/V gathered
   into contiguous tensors (GQA, the fastest SDPA backend that runs).
-* The engine end to end (``bench_engine.py``, last, in the last ``ENGINE_RESERVE_S`` of the
+* The engine end to end (``kernel_bench_engine.py``, last, in the last ``ENGINE_RESERVE_S`` of the
   budget; ``--no-engine`` skips it): decode tokens/s of a ~1B random Llama with 64 requests,
   each on its own adapter, against the base model. The kernel results are written before it
   starts.
 
-The report (tables, the issue's targets, the files) is ``bench_report.py``.
+The report (tables, the issue's targets, the files) is ``kernel_bench_report.py``.
 
-Usage: ``python -m loraplex.kernels.bench --out DIR [--quick] [--no-engine]``, or in a checkout
-that is not installed, ``python kernels/bench.py --out DIR``. Refuses without CUDA.
+Usage: ``python benchmarks/kernel_bench.py --out DIR [--quick] [--no-engine]`` (in a checkout
+that is not installed too: it maps ``loraplex`` onto the checkout). Refuses without CUDA.
 """
 
 from __future__ import annotations
@@ -31,13 +31,14 @@ import logging
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from kernel_bench_report import Row, environment, write_results
 
-log = logging.getLogger("loraplex.kernels.bench")
+log = logging.getLogger("loraplex.benchmarks.kernel_bench")
 
 PAGE_ELEMS = 2 * 16 * 8 * 128
 # a test points these at the CPU and fp16 (the interpreter's bf16 arithmetic is wrong) to
@@ -49,21 +50,6 @@ BUDGET_S = 270.0  # stop starting new cases past this: the whole run stays under
 # the ~1B random model takes ~30 s on the dev CPUs, loading it and compiling the kernels (the
 # engine's warm-up) tens of seconds, the timed rounds a few seconds each
 ENGINE_RESERVE_S = 100.0
-
-
-@dataclass
-class Row:
-    """One measured case: sizes, times in microseconds, derived ratios, or the error."""
-
-    bench: str
-    case: dict[str, Any]
-    bytes: int = 0
-    us: dict[str, float] = field(default_factory=dict)
-    gbps: float = 0.0
-    copy_frac: float = 0.0
-    speedup: dict[str, float] = field(default_factory=dict)
-    max_abs_err: float = 0.0
-    error: str | None = None
 
 
 def _bench(fn: Callable[[], Any], graph: bool = True) -> float:
@@ -377,8 +363,8 @@ def _bench_decode_attention(row: Row, batch: int, length: int) -> None:
 
 def bench_engine(quick: bool, deadline: float) -> list[Row]:
     """Engine end to end on a ~1B random Llama: decode tokens/s with 64 distinct adapters
-    against the base model (issue 4's last benchmark; ``bench_engine.py``)."""
-    from loraplex.kernels.bench_engine import EngineBenchConfig, run_engine_bench
+    against the base model (issue 4's last benchmark; ``kernel_bench_engine.py``)."""
+    from kernel_bench_engine import EngineBenchConfig, run_engine_bench
 
     cfg = EngineBenchConfig(device=DEVICE)
     if quick:
@@ -411,7 +397,6 @@ def main(argv: list[str] | None = None) -> int:
         print("bench: needs a CUDA GPU; none is visible, nothing was measured", file=sys.stderr)
         return 2
     import_from_checkout()
-    from loraplex.kernels.bench_report import environment, write_results
 
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()

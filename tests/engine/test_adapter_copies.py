@@ -1,0 +1,94 @@
+"""Admission reserves an adapter's pages; the runner copies its weights in (issue 15, item 4):
+scheduling writes no tensor, the scheduled batch carries the copy, the forward pass reads it."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from loraplex.adapter_store.format import load_adapter
+from loraplex.server.config import EngineConfig, SchedulerConfig
+from loraplex.server.engine.adapter_cache import AdapterManager
+from loraplex.server.engine.batch import AdapterLoad
+from loraplex.server.engine.engine import Engine
+from loraplex.server.engine.models.config import ModelConfig
+from loraplex.server.engine.pager import Pager
+from loraplex.server.engine.request import Request, SamplingParams
+from tests.engine.test_fault_isolation import write_huge_adapter
+from tests.engine.test_lora_parity import LoadedSource
+from tests.helpers import assert_pages_idle
+
+
+def _adapter(tiny_llama, tmp_path):
+    path = write_huge_adapter(tmp_path / "small", tiny_llama, value=0.01)
+    return load_adapter(path, ModelConfig.from_pretrained(tiny_llama))
+
+
+def _wait_ready(manager, request):
+    deadline = time.monotonic() + 30
+    while not manager.ready(request):
+        assert time.monotonic() < deadline, "adapter never reached the host cache"
+        time.sleep(0.01)
+
+
+def test_acquire_reserves_pages_and_copy_in_writes_them(tiny_llama, tmp_path):
+    adapter = _adapter(tiny_llama, tmp_path)
+    config = ModelConfig.from_pretrained(tiny_llama)
+    pools = torch.zeros(config.num_layers, 32, 256)
+    manager = AdapterManager(LoadedSource([adapter]), config, Pager(32), pools, max_rank=8)
+    try:
+        first = Request("a", [1, 2, 3], SamplingParams(), adapter_digest=adapter.digest)
+        _wait_ready(manager, first)
+        load = manager.acquire(first)
+        assert load == AdapterLoad(adapter.digest, manager.resident(adapter.digest).pages)
+        assert pools.count_nonzero() == 0  # reserved, not copied
+        manager.copy_in([load])
+        assert pools[:, list(load.page_ids)].count_nonzero() > 0
+        second = Request("b", [1, 2], SamplingParams(), adapter_digest=adapter.digest)
+        assert manager.acquire(second) is None  # resident and copied: nothing to copy
+    finally:
+        manager.close()
+
+
+def test_a_copy_that_never_ran_is_issued_again(tiny_llama, tmp_path):
+    # A step that fails before its copies (the runner raised) must not leave the adapter
+    # resident with empty pages: the next admission carries the copy again.
+    adapter = _adapter(tiny_llama, tmp_path)
+    config = ModelConfig.from_pretrained(tiny_llama)
+    pools = torch.zeros(config.num_layers, 32, 256)
+    manager = AdapterManager(LoadedSource([adapter]), config, Pager(32), pools, max_rank=8)
+    try:
+        first = Request("a", [1, 2, 3], SamplingParams(), adapter_digest=adapter.digest)
+        _wait_ready(manager, first)
+        load = manager.acquire(first)
+        manager.release(first)  # its step failed before copy_in
+        second = Request("b", [1, 2], SamplingParams(), adapter_digest=adapter.digest)
+        assert manager.acquire(second) == load
+        manager.copy_in([load, load])  # one batch may carry the same load twice
+        assert pools[:, list(load.page_ids)].count_nonzero() > 0
+        third = Request("c", [1], SamplingParams(), adapter_digest=adapter.digest)
+        assert manager.acquire(third) is None
+    finally:
+        manager.close()
+
+
+def test_the_scheduled_batch_carries_the_copy_the_runner_performs(tiny_llama, tmp_path):
+    adapter = _adapter(tiny_llama, tmp_path)
+    engine = Engine(EngineConfig(model=str(tiny_llama), num_pages=64,
+                                 scheduler=SchedulerConfig(page_size=4)),
+                    adapter_source=LoadedSource([adapter]))
+    request = engine.add_request("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=2),
+                                 adapter_digest=adapter.digest)
+    engine._drain_inbox()
+    _wait_ready(engine.adapters, request)
+    batch = engine.scheduler.schedule()
+    (load,) = batch.adapter_loads
+    assert load.digest == adapter.digest and engine.runner.pools.count_nonzero() == 0
+    run = engine.runner.run(batch, engine.adapters)
+    assert engine.runner.pools[:, list(load.page_ids)].count_nonzero() > 0
+    assert run.row_requests == [request] and run.rows_of(request) == [0]
+    engine.scheduler.finish(request, request.status.FINISHED_ABORTED)
+    engine.outputs.take()
+    assert_pages_idle(engine)
+    engine.close()
