@@ -151,3 +151,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     index: int = 0  # the sequence, of the request's n
+    # Speculative decoding, on the final output: draft tokens verified and accepted.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0

@@ -45,10 +45,12 @@ def _engine(model, adapters, method, num_pages=160, **kwargs):
                   adapter_source=LoadedSource(adapters.values()) if adapters else None)
 
 
-def _run(engine, prompts, digests, params, arrivals):
+def _run(engine, prompts, digests, params, arrivals, accepted=None):
     """Requests added at their arrival step; after every step, every running request holds
-    exactly the pages its computed tokens fill (what it would hold without speculation)."""
+    exactly the pages its computed tokens fill (what it would hold without speculation).
+    ``accepted``, if given, gets each request's accepted draft tokens (its final output)."""
     tokens = {f"r{i}": [] for i in range(len(prompts))}
+    drafted: dict[str, int] = {}  # accepted draft tokens, from each final output
     pending = sorted(range(len(prompts)), key=lambda i: arrivals[i])
     step = 0
     deadline = time.monotonic() + 180
@@ -59,12 +61,17 @@ def _run(engine, prompts, digests, params, arrivals):
         for out in engine.step():
             assert out.error is None, out.error
             tokens[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                assert 0 <= out.num_accepted_draft_tokens <= out.num_draft_tokens
+                drafted[out.request_id] = out.num_accepted_draft_tokens
         for req in engine.scheduler.running:
             assert req.draft_token_ids == []
             assert req.num_computed_tokens <= req.num_tokens - 1
             assert len(req.page_ids) == -(-req.num_computed_tokens // PAGE), req.request_id
         step += 1
         assert time.monotonic() < deadline, "no progress in 180 s"
+    if accepted is not None:
+        accepted.update(drafted)
     return [tokens[f"r{i}"] for i in range(len(prompts))]
 
 
@@ -77,8 +84,11 @@ def test_greedy_with_speculation_equals_peft_and_off(setup):
         # A pool that the rank-64 adapter and the batch's KV overfill: preemption and
         # eviction; the second pass gets prefix-cache hits.
         engine = _engine(model, adapters, method, num_pages=124)
-        first = _run(engine, prompts, digests, params, arrivals)
-        second = _run(engine, prompts, digests, params, [0] * len(prompts))
+        per_request: tuple[dict, dict] = ({}, {})
+        first = _run(engine, prompts, digests, params, arrivals, per_request[0])
+        second = _run(engine, prompts, digests, params, [0] * len(prompts), per_request[1])
+        assert sum(sum(d.values()) for d in per_request) \
+            == engine.stats().spec.num_accepted_tokens
         assert first == expected and second == expected, method
         stats = engine.stats()
         assert stats.num_preemptions > 0, method
