@@ -172,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="random adapters' weight scale (small: the model stays fluent)")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--no-cost-gate", action="store_true")
+    parser.add_argument("--num-pages", type=int, default=2048,
+                        help="per engine (two engines: keep both pools in memory)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -184,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     def engine(method: str) -> Engine:
         # No prefix cache: both modes replay the same prompts (the second would skip prefill).
         return Engine(EngineConfig(
-            model=args.model, num_pages=8192, seed=0, enable_prefix_caching=False,
+            model=args.model, num_pages=args.num_pages, seed=0, enable_prefix_caching=False,
             speculative_method=method, num_speculative_tokens=args.num_speculative_tokens,
             speculative_cost_gate=not args.no_cost_gate,
             scheduler=SchedulerConfig(max_num_seqs=256)), adapter_source=Adapters(adapters))
