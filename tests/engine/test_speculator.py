@@ -64,18 +64,28 @@ def test_cost_gate_drafts_at_small_batches_only():
     prompt = REPEAT + REPEAT[:3]
     one = [_decoding(prompt, [])]
     spec.draft(one, _cost)
-    # No history: token j is accepted with 0.5^j; the third no longer pays (1.875 tokens in
-    # 140 ms against 1.75 in 130 ms).
+    # No history: the first token is a probe, token j is priced at 0.5^j; the third no
+    # longer pays (1.875 tokens in 140 ms against 1.75 in 130 ms).
     assert one[0].draft_token_ids == REPEAT[3:5]
     assert one[0].spec is not None
     one[0].spec.update(4, 4)  # a request whose drafts were all accepted drafts them whole
     spec.draft(one, _cost)
     assert len(one[0].draft_token_ids) == 4
-    many = [_decoding(prompt + [i] * (i % 3), []) for i in range(64)]
+    many = [_decoding([100 + i] + prompt, []) for i in range(64)]
     spec.draft(many, _cost)
-    assert all(not r.draft_token_ids for r in many)  # a token costs its share: none pays
+    # A token costs its share of a big step: only each request's one probe token goes.
+    assert all(len(r.draft_token_ids) == 1 for r in many)
     assert spec.stats().num_gated_tokens > 0
-    assert spec.stats().num_proposed_tokens == 0
+    for r in many[:32]:
+        assert r.spec is not None
+        r.spec.update(1, 1)  # their probes were accepted: they copy
+    for r in many[32:]:
+        assert r.spec is not None
+        r.spec.update(1, 0)
+        r.spec.pause = 0
+    spec.draft(many, _cost)
+    assert all(len(r.draft_token_ids) == 4 for r in many[:32])  # a = 1: every token pays
+    assert all(not r.draft_token_ids for r in many[32:])  # a = 0: nothing does
 
 
 def test_verify_counts_and_adapts():

@@ -30,8 +30,8 @@ from loraplex.server.engine.spec.proposer import NgramProposer, Proposer
 from loraplex.server.engine.spec.state import SpecState
 from loraplex.server.engine.step_cost import StepShape, context_tokens
 
-# Expected per-token acceptance of a request with no verified proposal yet (and no engine
-# history either): a guess, used only to decide whether its first draft pays.
+# Expected per-token acceptance of a request's first draft past its probe token (it has no
+# verified draft yet): a guess, used only to decide whether the rest of that draft pays.
 PRIOR_ACCEPTANCE = 0.5
 
 
@@ -132,7 +132,13 @@ class Speculator:
         """The draft tokens worth verifying this step: token ``j`` of a draft is expected to
         be accepted with probability ``a^j`` (``a``: its request's per-token acceptance);
         tokens are added best first, across requests, while the step's expected tokens per
-        predicted second keep growing (a draft is cut where its next token stops paying)."""
+        predicted second keep growing (a draft is cut where its next token stops paying).
+
+        A request with no verified draft yet has no ``a``: its first draft token is verified
+        whatever the batch (a probe: one token, once), and the rest of that draft is priced
+        at ``PRIOR_ACCEPTANCE``. Without the probe a large batch would never learn which of
+        its requests copy; with a prior taken from other requests, requests that do not
+        copy would each pay a whole first draft."""
         drafts = [(r, d) for r, d in drafts if d]
         if cost is None or not drafts:
             return drafts
@@ -144,16 +150,24 @@ class Speculator:
         seconds = cost(shape)
         if seconds <= 0.0:
             return drafts  # the model has seen no step yet: nothing to weigh
-        prior = self._stats.acceptance_rate if self._stats.num_proposed_tokens \
-            else PRIOR_ACCEPTANCE
-        items = []  # (expected gain, which draft, its context before the token); j ascending
-        for i, (req, draft) in enumerate(drafts):
-            a = self._acceptance(req, prior)
-            for j in range(1, len(draft) + 1):
-                items.append((a ** j, i, req.num_computed_tokens + j + 1))
-        items.sort(key=lambda item: -item[0])  # stable: a draft's tokens stay in order
         tokens = float(len(requests))
         kept = [0] * len(drafts)
+        items = []  # (expected gain, which draft, its context before the token); j ascending
+        for i, (req, draft) in enumerate(drafts):
+            state = req.spec
+            known = state is not None and state.num_proposed > 0
+            a = state.acceptance_rate if state is not None and known else PRIOR_ACCEPTANCE
+            for j in range(1, len(draft) + 1):
+                keys = req.num_computed_tokens + j + 1
+                if j == 1 and not known:  # the probe
+                    shape = StepShape(shape.num_prefill_tokens, shape.num_decode_tokens + 1,
+                                      shape.num_context_tokens + keys, shape.num_adapters)
+                    tokens += a
+                    kept[i] = 1
+                    continue
+                items.append((a ** j, i, keys))
+        seconds = cost(shape) if any(kept) else seconds
+        items.sort(key=lambda item: -item[0])  # stable: a draft's tokens stay in order
         for gain, i, keys in items:
             after_shape = StepShape(shape.num_prefill_tokens, shape.num_decode_tokens + 1,
                                     shape.num_context_tokens + keys, shape.num_adapters)
@@ -163,12 +177,6 @@ class Speculator:
             tokens, seconds, shape = tokens + gain, after, after_shape
             kept[i] += 1
         return [(req, draft[:n]) for (req, draft), n in zip(drafts, kept) if n]
-
-    @staticmethod
-    def _acceptance(req: Request, prior: float) -> float:
-        """The request's own per-token acceptance so far (``prior`` before it has any)."""
-        state = req.spec
-        return state.acceptance_rate if state is not None and state.num_proposed else prior
 
     @staticmethod
     def generator_state(req: Request) -> torch.Tensor | None:
