@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import torch
 
+from loraplex.server.config import SchedulerConfig
+from loraplex.server.engine.batch import Accepted
 from loraplex.server.engine.pager import Pager
-from loraplex.server.engine.request import Request, SamplingParams
+from loraplex.server.engine.request import Request, RequestStatus, SamplingParams
+from loraplex.server.engine.scheduler import Scheduler
 from loraplex.server.engine.spec.speculator import Speculator, roll_back
 from loraplex.server.engine.step_cost import StepShape
 
@@ -125,3 +128,75 @@ def test_roll_back_returns_pages_only_the_rejected_tail_used():
     assert pager.num_free == 13
     roll_back(req, 12, 4, pager)
     assert len(req.page_ids) == 3 and pager.num_free == 13
+
+
+# -- the scheduler with a speculator, no model ---------------------------------------------------
+
+
+def _scheduler(num_pages: int) -> Scheduler:
+    return Scheduler(SchedulerConfig(page_size=4, max_num_batched_tokens=64),
+                     Pager(num_pages), speculator=Speculator(4, 2, 3, max_model_len=256,
+                                                              cost_gate=False))
+
+
+def _prefill(sched: Scheduler, prompts: list[list[int]]) -> list[Request]:
+    """Admit and prefill every prompt in one step; each samples its first token (9)."""
+    reqs = [Request(f"q{i}", list(p), SamplingParams(max_tokens=32))
+            for i, p in enumerate(prompts)]
+    for req in reqs:
+        sched.add(req)
+    batch = sched.schedule()
+    assert batch.num_new_tokens == [len(p) for p in prompts]
+    sched.update(batch, [Accepted(r, [9], [None]) for r in reqs])
+    return reqs
+
+
+LOOP = [5, 6, 7, 9, 5, 6, 7]  # after the first token (9), "7 9" -> "5 6 7 9 ..."
+
+
+def test_a_draft_never_preempts():
+    sched = _scheduler(num_pages=4)
+    a, b = _prefill(sched, [LOOP, LOOP])  # 8 known tokens each: 2 pages each, pool full
+    batch = sched.schedule()
+    assert batch.preempted == []
+    assert batch.num_new_tokens == [1, 1]  # drafts dropped: they needed a third page each
+    assert a.draft_token_ids == [] and b.draft_token_ids == []
+    assert sched.pager.num_free == 0
+
+
+def test_the_budget_cuts_a_draft():
+    sched = _scheduler(num_pages=16)
+    (req,) = _prefill(sched, [LOOP])
+    sched.config = SchedulerConfig(page_size=4, max_num_batched_tokens=3)
+    batch = sched.schedule()
+    assert batch.num_new_tokens == [3]
+    assert req.draft_token_ids == [5, 6]  # 1 + 2: what the budget left of 5, 6, 7, 9
+
+
+def test_update_keeps_the_accepted_positions_and_rolls_back_the_rest():
+    sched = _scheduler(num_pages=16)
+    (req,) = _prefill(sched, [LOOP])
+    batch = sched.schedule()
+    assert req.draft_token_ids == [5, 6, 7, 9] and batch.num_new_tokens == [5]
+    assert len(req.page_ids) == 3  # positions 7..11: a third page for the draft
+    # The model agreed with 5 and then said 8: tokens 5, 8; KV kept for 9 and 5.
+    update = sched.update(batch, [Accepted(req, [5, 8], [None, None])])
+    assert update.tokens[0].token_ids == [5, 8]
+    assert req.output_token_ids == [9, 5, 8]
+    assert req.num_computed_tokens == 9 == req.num_tokens - 1
+    assert len(req.page_ids) == 3 and req.draft_token_ids == []
+    batch = sched.schedule()  # "5 8" never occurred: no draft, one token
+    assert batch.num_new_tokens == [1]
+    sched.update(batch, [Accepted(req, [1], [None])])
+    sched.finish(req, RequestStatus.FINISHED_ABORTED)
+    assert sched.pager.num_free == 16
+
+
+def test_rollback_frees_a_page_only_the_rejected_tail_used():
+    sched = _scheduler(num_pages=16)
+    (req,) = _prefill(sched, [LOOP])
+    batch = sched.schedule()
+    assert len(req.page_ids) == 3
+    sched.update(batch, [Accepted(req, [1], [None])])  # nothing accepted
+    assert req.num_computed_tokens == 8 and len(req.page_ids) == 2
+    assert sched.pager.num_free == 14
