@@ -193,3 +193,18 @@ def test_parallel_sampling_speculates_per_sequence(setup):
     stats = outs["ngram"][1]
     assert stats.spec.num_accepted_tokens > 0
     assert stats.pages.num_kv == 0
+
+
+def test_tensor_parallel_verifies_drafts_on_every_rank(setup):
+    """TP = 2 (gloo, two rank processes): a draft is tokens of the step's chunk, so the step
+    message carries it to every rank; greedy tokens equal peft's with speculation on."""
+    model, adapters, prompts, digests, max_tokens, expected = setup
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens]
+    engine = _engine(model, adapters, "ngram", num_pages=400, tensor_parallel_size=2,
+                     tensor_parallel_timeout=60)
+    try:
+        got = _run(engine, prompts, digests, params, [i % 3 for i in range(len(prompts))])
+        assert got == expected
+        assert engine.stats().spec.num_accepted_tokens > 0
+    finally:
+        engine.close()
