@@ -437,8 +437,14 @@ class Engine:
             if bad is not None:
                 failures.append((req, mask_errors.get(bad, SAMPLING_FAILED)))
             elif len(own) > 1 and self.speculator is not None:
-                verdict = self.speculator.verify(req, [result.token_ids[r] for r in own],
-                                                 states.get(id(req)))
+                try:
+                    verdict = self.speculator.verify(req, [result.token_ids[r] for r in own],
+                                                     states.get(id(req)))
+                except Exception as exc:  # a bug in verification: this request fails alone
+                    logger.exception("verification failed")
+                    failures.append((req, f"internal error in speculative verification: "
+                                          f"{exc}"))
+                    continue
                 accepted.append(Accepted(req, verdict.token_ids, [
                     result.logprobs[r] for r in own[:len(verdict.token_ids)]]))
             else:

@@ -218,8 +218,14 @@ class Scheduler:
         if self.speculator is not None:
             # Drafts first (they size the decode rows); a request whose draft was dropped
             # below (pages, budget) verifies less or nothing, and decodes one token.
-            self.speculator.draft([r for r in self.running if r.num_output_tokens
-                                   and r.num_computed_tokens == r.num_tokens - 1], self._cost)
+            decoding = [r for r in self.running
+                        if r.num_output_tokens and r.num_computed_tokens == r.num_tokens - 1]
+            try:
+                self.speculator.draft(decoding, self._cost)
+            except Exception:  # a bug in a proposer: this step decodes without drafts
+                logger.exception("speculative drafts failed; decoding without them")
+                for req in decoding:
+                    req.draft_token_ids = []
         budget = self.config.max_num_batched_tokens
         scheduled: list[Request] = []
         counts: list[int] = []

@@ -208,3 +208,26 @@ def test_tensor_parallel_verifies_drafts_on_every_rank(setup):
         assert engine.stats().spec.num_accepted_tokens > 0
     finally:
         engine.close()
+
+
+class _BrokenProposer:
+    """A proposer with a bug: every proposal raises."""
+
+    def new_context(self):
+        return None
+
+    def propose(self, contexts, token_lists, ks):
+        raise RuntimeError("proposer bug")
+
+
+def test_a_failing_proposer_never_ends_the_engine(setup):
+    """A bug in drafting costs the step its drafts, not the engine or a request."""
+    model, _, prompts, _, max_tokens, _ = setup
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens]
+    base = [None] * len(prompts)
+    off = _run(_engine(model, {}, "off"), prompts, base, params, [0] * len(prompts))
+    engine = _engine(model, {}, "ngram")
+    assert engine.speculator is not None
+    engine.speculator.proposer = _BrokenProposer()
+    assert _run(engine, prompts, base, params, [0] * len(prompts)) == off
+    assert engine.stats().spec.num_proposed_tokens == 0
