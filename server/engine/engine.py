@@ -433,13 +433,18 @@ class Engine:
             req = sampling[i]
             own = range(i, i + 1 + len(req.draft_token_ids))  # 1 + d rows when verifying
             i = own.stop
+            # A failed row matters only if the rows before it accept the draft up to it.
             bad = next((r for r in own if r in failed), None)
-            if bad is not None:
+            usable = own if bad is None else range(own.start, bad)
+            if bad is not None and (bad == own.start or self._reaches(req, result.token_ids,
+                                                                       usable)):
                 failures.append((req, mask_errors.get(bad, SAMPLING_FAILED)))
             elif len(own) > 1 and self.speculator is not None:
+                tokens = [result.token_ids[r] for r in usable]
+                if len(usable) < len(own):  # verify the draft as far as usable rows go
+                    del req.draft_token_ids[len(usable) - 1:]
                 try:
-                    verdict = self.speculator.verify(req, [result.token_ids[r] for r in own],
-                                                     states.get(id(req)))
+                    verdict = self.speculator.verify(req, tokens, states.get(id(req)))
                 except Exception as exc:  # a bug in verification: this request fails alone
                     logger.exception("verification failed")
                     failures.append((req, f"internal error in speculative verification: "
@@ -451,6 +456,12 @@ class Engine:
                 accepted.append(Accepted(req, [result.token_ids[own[0]]],
                                          [result.logprobs[own[0]]]))
         return accepted, failures
+
+    @staticmethod
+    def _reaches(req: Request, token_ids: list[int], rows: range) -> bool:
+        """Whether ``rows`` (the rows before a failed one) accept ``req``'s draft all the way
+        to that failed row, whose token would then be needed."""
+        return all(token_ids[r] == x for r, x in zip(rows, req.draft_token_ids))
 
     def stats(self) -> EngineStats:
         return collect_stats(self.scheduler, self.pager, self._num_steps, self.step_timer,

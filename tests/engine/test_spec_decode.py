@@ -4,6 +4,7 @@ equal speculation off's and repeat; rejected slots roll back (pages and counts).
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -13,6 +14,7 @@ from loraplex.server.config import EngineConfig, SchedulerConfig
 from loraplex.server.engine.engine import Engine
 from loraplex.server.engine.models.config import ModelConfig
 from loraplex.server.engine.request import SamplingParams
+from loraplex.server.params import StructuredOutput
 from tests.engine.test_lora_parity import LoadedSource
 from tests.helpers import make_model, make_peft_adapters, peft_greedy, random_prompts
 
@@ -231,3 +233,28 @@ def test_a_failing_proposer_never_ends_the_engine(setup):
     engine.speculator.proposer = _BrokenProposer()
     assert _run(engine, prompts, base, params, [0] * len(prompts)) == off
     assert engine.stats().spec.num_proposed_tokens == 0
+
+
+@pytest.mark.parametrize("jump_forward", ["off", "exact"])
+def test_structured_output_speculates_with_its_matcher(setup, jump_forward):
+    """Constrained requests draft too: each verification row gets the grammar's mask after
+    the draft prefix before it (the matcher advances through the draft and rolls back).
+    Greedy and seeded tokens equal speculation off's, for JSON schemas, regexes and choices
+    beside free requests."""
+    from tests.engine.test_structured import CHOICES, REGEXES, SCHEMAS
+
+    model, _, prompts, _, _, _ = setup
+    specs = ([StructuredOutput("json_schema", json.dumps(s)) for s in SCHEMAS[:4]]
+             + [StructuredOutput("regex", r) for r in REGEXES]
+             + [StructuredOutput("choice", choices=c) for c in CHOICES] + [None] * 3)
+    params = [SamplingParams(max_tokens=40, structured=spec, seed=i,
+                             temperature=0.0 if i % 2 else 1.0, top_k=3)
+              for i, spec in enumerate(specs)]
+    results = {}
+    for method in ("ngram", "off"):
+        engine = _engine(model, {}, method, num_pages=400, jump_forward=jump_forward)
+        results[method] = (_run(engine, [prompts[i % len(prompts)] for i in range(len(specs))],
+                                [None] * len(specs), params, [0] * len(specs)), engine.stats())
+    assert results["ngram"][0] == results["off"][0]
+    if jump_forward == "off":  # forced runs are drafted (the grammar repeats its keys)
+        assert results["ngram"][1].spec.num_accepted_tokens > 0

@@ -79,14 +79,14 @@ class Speculator:
 
     @staticmethod
     def eligible(req: Request) -> bool:
-        """Whether ``req`` may speculate now. Not: a structured-output request (its matcher
-        would need a rollback per draft position), one with repetition / frequency / presence
+        """Whether ``req`` may speculate now. Not: one with repetition / frequency / presence
         penalties (each row's table would need the draft before it), one still under
-        ``min_tokens`` (its rows' masks differ)."""
+        ``min_tokens`` (its rows' masks differ). A structured-output request does: its
+        matcher fills each row's mask through the draft and rolls back
+        (``GrammarState.fill_draft``)."""
         p = req.params
-        return (req.grammar is None and p.repetition_penalty == 1.0
-                and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
-                and req.num_output_tokens >= p.min_tokens)
+        return (p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+                and p.presence_penalty == 0.0 and req.num_output_tokens >= p.min_tokens)
 
     def draft(self, requests: Sequence[Request], cost: Callable[[StepShape], float] | None
               ) -> None:
