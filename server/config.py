@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 KERNEL_CHOICES = ("auto", "torch", "triton")
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 JUMP_FORWARD = ("exact", "string", "off")
+SPECULATIVE_METHODS = ("off", "ngram")
 
 
 def parse_tenant_weights(text: str | tuple) -> tuple[tuple[str, float], ...]:
@@ -158,8 +159,34 @@ class EngineConfig:
         "token) without a model call each, giving the same tokens as off; string also "
         "appends the tokenized string a grammar forces (tokens may differ from off's)",
         choices=JUMP_FORWARD)
+    speculative_method: str = setting(
+        "off", "speculative decoding: off, or ngram (prompt lookup: propose what followed the "
+        "latest earlier occurrence of a request's last tokens in its own prompt and output, "
+        "verified in the same batch; the same tokens as off)", choices=SPECULATIVE_METHODS)
+    num_speculative_tokens: int = setting(
+        4, "speculative decoding: tokens a request proposes per step, at most (each request "
+        "adapts its own k below it from its acceptance)", unit="tokens")
+    speculative_ngram_min: int = setting(
+        2, "speculative decoding (ngram): the shortest suffix of a request's tokens matched",
+        unit="tokens")
+    speculative_ngram_max: int = setting(
+        4, "speculative decoding (ngram): the longest suffix matched (longest first)",
+        unit="tokens")
+    speculative_cost_gate: bool = setting(
+        True, "speculative decoding: verify only the draft tokens the step cost model "
+        "(calibrated at start) expects to pay in their step; off, every draft is verified")
 
     def __post_init__(self) -> None:
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method: {self.speculative_method!r} is not one of "
+                             f"{SPECULATIVE_METHODS}")
+        if not 1 <= self.num_speculative_tokens <= 32:
+            raise ValueError(f"num_speculative_tokens: must be in [1, 32], got "
+                             f"{self.num_speculative_tokens}")
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max <= 16:
+            raise ValueError(f"speculative_ngram_min / speculative_ngram_max: need 1 <= min "
+                             f"<= max <= 16, got {self.speculative_ngram_min}, "
+                             f"{self.speculative_ngram_max}")
         if not self.grammar_compile_timeout >= 0:
             raise ValueError("grammar_compile_timeout: must be >= 0")
         if self.grammar_cache_bytes < 0:

@@ -196,6 +196,34 @@ class _EngineCollector(Collector):
         yield ratio
         yield from _prefix_metrics(s)
         yield from _step_time_metrics(s)
+        yield from _spec_metrics(s)
+
+
+def _spec_metrics(s: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """Speculative decoding: draft tokens verified and accepted, verifications (a request's
+    draft checked in one step), the tokens they appended, and draft tokens the cost gate
+    dropped; the acceptance rate and the tokens per verification since start."""
+    p = s.spec
+    for name, doc, value in (
+            ("loraplex_worker_spec_proposed_tokens", "Draft tokens verified",
+             p.num_proposed_tokens),
+            ("loraplex_worker_spec_accepted_tokens", "Draft tokens accepted",
+             p.num_accepted_tokens),
+            ("loraplex_worker_spec_verifications", "Drafts verified (one request, one step)",
+             p.num_verifications),
+            ("loraplex_worker_spec_emitted_tokens",
+             "Tokens appended by verifications (accepted drafts plus one each)",
+             p.num_emitted_tokens),
+            ("loraplex_worker_spec_gated_tokens",
+             "Draft tokens proposed but not verified (they did not pay in their step)",
+             p.num_gated_tokens)):
+        yield CounterMetricFamily(name, doc, value=value)
+    yield GaugeMetricFamily("loraplex_worker_spec_acceptance_ratio",
+                            "Accepted over verified draft tokens since start",
+                            value=p.acceptance_rate)
+    yield GaugeMetricFamily("loraplex_worker_spec_tokens_per_verification",
+                            "Tokens appended per verified draft since start",
+                            value=p.tokens_per_verification)
 
 
 def _step_time_metrics(s: EngineStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

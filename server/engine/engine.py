@@ -37,6 +37,7 @@ from loraplex.server.engine.profile import ProfileResult, pool_pages, profile_ba
 from loraplex.server.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from loraplex.server.engine.sampler import SamplingMetadata, sample
 from loraplex.server.engine.scheduler import Scheduler
+from loraplex.server.engine.spec.speculator import Speculator
 from loraplex.server.engine.stats import EngineStats, collect_stats
 from loraplex.server.engine.step_cost import StepCostModel, StepTimer
 from loraplex.server.engine.structured import GrammarService
@@ -117,9 +118,16 @@ class Engine:
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
+        self.speculator: Speculator | None = None
+        if config.speculative_method == "ngram":
+            self.speculator = Speculator(config.num_speculative_tokens,
+                                         config.speculative_ngram_min,
+                                         config.speculative_ngram_max, self.max_model_len,
+                                         cost_gate=config.speculative_cost_gate)
         self.scheduler = Scheduler(config.scheduler, self.pager, self.adapters,
                                    self.prefix_cache, cost=self.step_timer.model.predict,
-                                   eos_token_ids=eos, max_model_len=self.max_model_len)
+                                   eos_token_ids=eos, max_model_len=self.max_model_len,
+                                   speculator=self.speculator)
         self.grammars: GrammarService | None = None  # structured output (needs a tokenizer)
         if self.tokenizer is not None:
             stops = eos | {t for t in (self.tokenizer.end_of_turn_id,) if t is not None}
@@ -138,7 +146,8 @@ class Engine:
             self.warmup()
             if self.parallel is not None:
                 self.parallel.group.wait_ready()  # until every rank has warmed up too
-        if target_s > 0 and self.parallel is None:
+        gate = self.speculator is not None and config.speculative_cost_gate
+        if (target_s > 0 or gate) and self.parallel is None:
             # With tensor parallelism the cost model learns from live steps only: a
             # calibration step would have to run on every rank.
             calibrate(self.runner, self.pager, self.step_timer.model,
@@ -388,20 +397,28 @@ class Engine:
 
     def _sample(self, run: RunOutput) -> tuple[list[Accepted], list[tuple[Request, str]]]:
         """One token per sampling request, from its last row (a forking sequence 0's row is
-        also its siblings'); and the requests whose row failed, with why."""
+        also its siblings'), or the verified tokens of a request with a draft, from its
+        ``1 + d`` rows (speculation); and the requests whose row failed, with why."""
         rows: list[int] = []
         sampling: list[Request] = []
         for req in run.requests:
-            row = run.rows_of(req)[-1]
+            own = run.rows_of(req)
+            if req.draft_token_ids:
+                rows.extend(own)
+                sampling.extend([req] * len(own))
+                continue
             for seq in (req, *self.scheduler.pending_forks(req)):
                 if seq is not req and req.grammar is not None and seq.grammar is None:
                     # Each sequence its own matcher, from sequence 0's state (before it
                     # samples: the siblings' rows are masked by their own grammar).
                     seq.grammar = req.grammar.fork_for(req, seq)
-                rows.append(row)
+                rows.append(own[-1])
                 sampling.append(seq)
         if not rows:
             return [], []
+        # A sampled request verifying a draft draws a uniform per row: rewound after.
+        states = {id(r): Speculator.generator_state(r) for r in run.requests
+                  if r.draft_token_ids}
         mask_errors: dict[int, str] = {}  # rows whose grammar allows no token, and why
         try:
             metadata = SamplingMetadata.from_requests(sampling, self.model_config.vocab_size,
@@ -414,11 +431,44 @@ class Engine:
             logger.exception("sampling failed")
             return [], [(req, f"internal error in sampling: {exc}") for req in sampling]
         failed = set(result.failed_rows)
-        accepted = [Accepted(req, [result.token_ids[i]], [result.logprobs[i]])
-                    for i, req in enumerate(sampling) if i not in failed]
-        return accepted, [(sampling[i], mask_errors.get(i, SAMPLING_FAILED))
-                          for i in sorted(failed)]
+        accepted: list[Accepted] = []
+        failures: list[tuple[Request, str]] = []
+        i = 0
+        while i < len(sampling):
+            req = sampling[i]
+            own = range(i, i + 1 + len(req.draft_token_ids))  # 1 + d rows when verifying
+            i = own.stop
+            # A failed row matters only if the rows before it accept the draft up to it.
+            bad = next((r for r in own if r in failed), None)
+            usable = own if bad is None else range(own.start, bad)
+            if bad is not None and (bad == own.start or self._reaches(req, result.token_ids,
+                                                                       usable)):
+                failures.append((req, mask_errors.get(bad, SAMPLING_FAILED)))
+            elif len(own) > 1 and self.speculator is not None:
+                tokens = [result.token_ids[r] for r in usable]
+                if len(usable) < len(own):  # verify the draft as far as usable rows go
+                    del req.draft_token_ids[len(usable) - 1:]
+                try:
+                    verdict = self.speculator.verify(req, tokens, states.get(id(req)))
+                except Exception as exc:  # a bug in verification: this request fails alone
+                    logger.exception("verification failed")
+                    failures.append((req, f"internal error in speculative verification: "
+                                          f"{exc}"))
+                    continue
+                accepted.append(Accepted(req, verdict.token_ids, [
+                    result.logprobs[r] for r in own[:len(verdict.token_ids)]]))
+            else:
+                accepted.append(Accepted(req, [result.token_ids[own[0]]],
+                                         [result.logprobs[own[0]]]))
+        return accepted, failures
+
+    @staticmethod
+    def _reaches(req: Request, token_ids: list[int], rows: range) -> bool:
+        """Whether ``rows`` (the rows before a failed one) accept ``req``'s draft all the way
+        to that failed row, whose token would then be needed."""
+        return all(token_ids[r] == x for r, x in zip(rows, req.draft_token_ids))
 
     def stats(self) -> EngineStats:
         return collect_stats(self.scheduler, self.pager, self._num_steps, self.step_timer,
-                             self.adapters, self.prefix_cache, self.grammars)
+                             self.adapters, self.prefix_cache, self.grammars,
+                             self.speculator.stats() if self.speculator is not None else None)

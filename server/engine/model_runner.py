@@ -37,9 +37,9 @@ class StepTokens(NamedTuple):
 class RunOutput(NamedTuple):
     """A step's logits, each row mapped to the request it belongs to.
 
-    Today a request owns one row (its last token's) when its known tokens are all computed
-    after the step; a speculating request will own 1 + k adjacent rows (its draft's), so
-    readers go through ``row_requests`` and ``rows_of``, never through row = request.
+    A request owns one row (its last token's) when its known tokens are all computed after
+    the step; a request verifying a draft of d tokens owns 1 + d adjacent rows (speculation),
+    so readers go through ``row_requests`` and ``rows_of``, never through row = request.
     """
 
     row_requests: list[Request]  # [R] the request of each row
@@ -124,15 +124,21 @@ class ModelRunner:
                 if first < last:
                     prompt_rows.append((req, len(input_ids) + first - start, first,
                                         last - first))
+            draft = req.draft_token_ids
             if end <= num_prompt:
                 input_ids.extend(req.prompt_token_ids[start:end])
+            elif draft:
+                # A verification row: the last known token, then the draft (speculation).
+                input_ids.extend((req.all_token_ids + draft)[start:end])
             else:
                 input_ids.extend(req.all_token_ids[start:end])
             positions.extend(range(start, end))
             seq_lens.append(end)
-            if end == req.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
-                sampling.append(req)
+            if end == req.num_tokens + len(draft):
+                # 1 + d rows: the logits after the last known token and after each draft token
+                num_rows = len(draft) + 1
+                sample_rows.extend(range(len(input_ids) - num_rows, len(input_ids)))
+                sampling.extend([req] * num_rows)
         lora = self._lora_batch(requests, counts, adapters)  # waits for the adapter copies
         if batch.page_copies:
             # Copy-on-write of shared pages, in every layer at once: all sources are read

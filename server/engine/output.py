@@ -210,4 +210,7 @@ class OutputProcessor:
                              finish_reason=status.value, logprobs=logprobs or [],
                              num_prompt_tokens=req.num_prompt_tokens,
                              num_output_tokens=req.num_output_tokens,
-                             num_cached_tokens=req.num_cached_tokens, error=req.error)
+                             num_cached_tokens=req.num_cached_tokens, error=req.error,
+                             num_draft_tokens=req.spec.num_proposed if req.spec else 0,
+                             num_accepted_draft_tokens=req.spec.num_accepted if req.spec
+                             else 0)

@@ -25,6 +25,7 @@ from loraplex.server.params import (
 )
 
 if TYPE_CHECKING:
+    from loraplex.server.engine.spec.state import SpecState
     from loraplex.server.engine.structured import GrammarState
 
 __all__ = ["MAX_LOGIT_BIAS", "MAX_LOGIT_BIAS_TOKENS", "MAX_LOGPROBS", "MAX_N", "MAX_PENALTY",
@@ -84,6 +85,10 @@ class Request:
         """The id outputs are reported under: the client's request (all n children share it)."""
         return self.group_id or self.request_id
     grammar: GrammarState | None = None  # structured output: its compiled grammar and matcher
+    # Speculative decoding: its proposer context and adaptive k, and this step's draft (the
+    # tokens verified after the last known one; never part of the known tokens).
+    spec: SpecState | None = None
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -146,3 +151,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     index: int = 0  # the sequence, of the request's n
+    # Speculative decoding, on the final output: draft tokens verified and accepted.
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0

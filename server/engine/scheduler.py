@@ -30,6 +30,7 @@ from loraplex.server.engine.fairness import VirtualTokenCounter
 from loraplex.server.engine.pager import Pager
 from loraplex.server.engine.prefix_cache import PrefixCache
 from loraplex.server.engine.request import Request, RequestStatus, TokenLogprob
+from loraplex.server.engine.spec.speculator import Speculator, roll_back
 from loraplex.server.engine.step_cost import StepShape, StepShapeBuilder
 
 logger = logging.getLogger(__name__)
@@ -43,8 +44,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, pager: Pager,
                  gate: AdmissionGate | None = None,
                  prefix_cache: PrefixCache | None = None, cost: StepCost | None = None,
-                 eos_token_ids: Iterable[int] = (), max_model_len: int | None = None
-                 ) -> None:
+                 eos_token_ids: Iterable[int] = (), max_model_len: int | None = None,
+                 speculator: Speculator | None = None) -> None:
         """An empty scheduler (nothing waiting, nothing running).
 
         Args:
@@ -58,6 +59,8 @@ class Scheduler:
             eos_token_ids: the model's end-of-sequence tokens (a request stops at one
                 unless ``ignore_eos``).
             max_model_len: a request stops, ``length``, when it reaches this many tokens.
+            speculator: speculative decoding, if on: each step's decode requests get their
+                drafts first, and compute ``1 + d`` tokens (``Request.draft_token_ids``).
         """
         self.config = config
         self._cost = cost
@@ -72,6 +75,7 @@ class Scheduler:
                                            dict(config.tenant_weights))
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
+        self.speculator = speculator
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -141,9 +145,12 @@ class Scheduler:
         return max(-(-num_tokens // self.config.page_size) - len(request.page_ids), 0)
 
     def _chunk(self, request: Request, budget: int) -> int:
-        n = min(request.num_tokens - request.num_computed_tokens, budget)
+        draft = request.draft_token_ids
+        n = min(request.num_tokens + len(draft) - request.num_computed_tokens, budget)
         if self.config.long_prefill_token_threshold:
             n = min(n, self.config.long_prefill_token_threshold)
+        if draft:
+            del draft[max(n - 1, 0):]  # a draft cut by the budget verifies what fits
         return n
 
     def _decoding(self, request: Request) -> bool:
@@ -208,6 +215,17 @@ class Scheduler:
         refused = self._refuse(now)
         if self.gate is not None:
             self.gate.begin_step()
+        if self.speculator is not None:
+            # Drafts first (they size the decode rows); a request whose draft was dropped
+            # below (pages, budget) verifies less or nothing, and decodes one token.
+            decoding = [r for r in self.running
+                        if r.num_output_tokens and r.num_computed_tokens == r.num_tokens - 1]
+            try:
+                self.speculator.draft(decoding, self._cost)
+            except Exception:  # a bug in a proposer: this step decodes without drafts
+                logger.exception("speculative drafts failed; decoding without them")
+                for req in decoding:
+                    req.draft_token_ids = []
         budget = self.config.max_num_batched_tokens
         scheduled: list[Request] = []
         counts: list[int] = []
@@ -245,8 +263,14 @@ class Scheduler:
                 if n <= 0:
                     i += 1  # no room for this prompt's chunk; the decodes behind it still go
                     continue
+            del req.draft_token_ids[max(n - 1, 0):]  # what the budget left of a draft
             need = self._pages_for(req, req.num_computed_tokens + n)
             shared = self._shared_tail(req)
+            if req.draft_token_ids and not self.pager.can_allocate(need + (shared is not None)):
+                # A draft never preempts anyone: without room for it, decode one token.
+                req.draft_token_ids = []
+                n = 1
+                need = self._pages_for(req, req.num_computed_tokens + n)
             while not self.pager.can_allocate(need + (shared is not None)):
                 victim = self.running.pop()  # the newest running request
                 if victim.request_id in held:
@@ -397,7 +421,9 @@ class Scheduler:
         its pages (``fork``); then each request appends its accepted tokens (``accept``).
         Requests that finish (by a stop token, EOS, length or grammar completion: every
         finish that needs no text) return their pages now. A failure here is one request's:
-        it finishes that request with the error, and the rest go on.
+        it finishes that request with the error, and the rest go on. A request that verified
+        a draft advances by its last known token only, then by the draft tokens it accepted
+        (``_accept_verified``), and the rest of its chunk is rolled back.
 
         Args:
             batch: what ``schedule`` returned for this step.
@@ -411,7 +437,8 @@ class Scheduler:
             req.prompt_logprobs.extend(entries)
         for req, n in zip(batch.requests, batch.num_new_tokens):
             try:
-                req.num_computed_tokens += n
+                # A draft's positions count once verified (``_accept_verified``).
+                req.num_computed_tokens += n - len(req.draft_token_ids)
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time = now
                 if self.prefix_cache is not None:
@@ -427,10 +454,43 @@ class Scheduler:
                 children = self._unforked.pop(req.request_id, None)
                 if children:
                     self.fork(req, children)
-                tokens.append(self.accept(req, entry.token_ids, entry.logprobs))
+                if req.draft_token_ids:
+                    tokens.append(self._accept_verified(req, entry.token_ids, entry.logprobs))
+                else:
+                    tokens.append(self.accept(req, entry.token_ids, entry.logprobs))
             except Exception as exc:
                 failed.append(self._fail(req, f"internal error in postprocessing: {exc}"))
+        for req in batch.requests:
+            req.draft_token_ids = []
         return StepUpdate(tokens, failed)
+
+    def _accept_verified(self, request: Request, token_ids: Sequence[int],
+                         logprobs: Sequence[TokenLogprob | None]) -> TokenUpdate:
+        """``accept`` for the tokens of a verified draft (its accepted prefix, then the
+        target's own token: ``Speculator.verify``), keeping the KV of accepted positions only.
+
+        Invariant: before token ``j`` is appended, ``num_computed_tokens`` counts the known
+        positions whose KV this step left valid (the last known token, then ``j`` accepted
+        draft tokens) and the prefix cache has seen each newly full page, so pages and cache
+        entries are those of decoding without speculation; what only the rejected tail used
+        goes back to the pager (``roll_back``)."""
+        base = request.num_computed_tokens
+        status = None
+        taken = 0
+        for j, (token, lp) in enumerate(zip(token_ids, logprobs)):
+            if j:
+                request.num_computed_tokens = base + j
+                if self.prefix_cache is not None:
+                    self.prefix_cache.register(request)
+            request.append_token(token, lp)
+            taken += 1
+            status = request.stop_status(token, self.eos_token_ids, self.max_model_len)
+            if status is not None:
+                self.finish(request, status)
+                break
+        if status is None:
+            roll_back(request, base + len(token_ids) - 1, self.config.page_size, self.pager)
+        return TokenUpdate(request, list(token_ids[:taken]), list(logprobs[:taken]), status)
 
     def accept(self, request: Request, token_ids: Sequence[int],
                logprobs: Sequence[TokenLogprob | None]) -> TokenUpdate:
@@ -456,6 +516,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         # Recompute: drop the KV, keep the tokens; the request re-enters at the queue's head.
+        request.draft_token_ids = []
         self._release(request, finished=False)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING

@@ -10,6 +10,7 @@ from loraplex.server.engine.adapter_cache import AdapterManager
 from loraplex.server.engine.pager import Pager, PagerStats
 from loraplex.server.engine.prefix_cache import PrefixCache
 from loraplex.server.engine.scheduler import Scheduler
+from loraplex.server.engine.spec.speculator import SpecStats
 from loraplex.server.engine.step_cost import StepTimer, StepTimeStats
 from loraplex.server.engine.structured import GrammarService
 
@@ -40,11 +41,13 @@ class EngineStats:
     grammar_compile_failures: int = 0
     grammar_cache_hits: int = 0
     jump_forward_tokens: int = 0  # output tokens appended by jump-forward, no model step
+    spec: SpecStats = SpecStats()  # speculative decoding: proposed, accepted, emitted tokens
 
 
 def collect_stats(scheduler: Scheduler, pager: Pager, num_steps: int, step_timer: StepTimer,
                   adapters: AdapterManager | None, prefix_cache: PrefixCache | None,
-                  grammars: GrammarService | None) -> EngineStats:
+                  grammars: GrammarService | None, spec: SpecStats | None = None
+                  ) -> EngineStats:
     """The engine's snapshot (parts it does not have report their defaults)."""
     adapter_fields = {}
     if adapters is not None:
@@ -71,4 +74,4 @@ def collect_stats(scheduler: Scheduler, pager: Pager, num_steps: int, step_timer
     return EngineStats(scheduler.num_waiting, scheduler.num_running,
                        scheduler.num_preemptions, pager.stats(), num_steps,
                        **adapter_fields, **prefix_fields, **grammar_fields,
-                       step_times=step_timer.stats())
+                       step_times=step_timer.stats(), spec=spec or SpecStats())

@@ -146,6 +146,31 @@ class GrammarState:
         if self.utf8 is not None:
             bitmask[row] &= self.utf8.masks[self._utf8_state]
 
+    def fill_draft(self, req: Request, draft: Sequence[int], bitmask: torch.Tensor,
+                   row: int) -> None:
+        """Rows ``row .. row + len(draft)`` of ``bitmask``: the tokens allowed after the known
+        tokens, then after each prefix ``x_1 .. x_j`` of a speculative draft (the matcher
+        advances through the draft, then rolls back: it ends where it began). From a draft
+        token the grammar refuses, or one that completes it, the rows after stay as they
+        are (allocated all-allowed): they are never used, since the row before cannot
+        produce that token, or the request stops at it."""
+        matcher = self._matcher_for(req)
+        utf8_state = self._utf8_state
+        advanced = 0
+        try:
+            for j in range(len(draft) + 1):
+                self.fill(req, bitmask, row + j)
+                if j == len(draft) or not matcher.accept_token(draft[j]):
+                    break
+                advanced += 1
+                self._advance_utf8(draft[j])
+                if matcher.is_terminated():
+                    break
+        finally:
+            if advanced:
+                matcher.rollback(advanced)
+            self._utf8_state = utf8_state
+
     def accept(self, req: Request, token: int) -> bool:
         """Advance the matcher with ``token`` (just appended to ``req``'s outputs); True when
         the grammar has terminated. Raises ``ValueError`` if the grammar refuses the token."""
@@ -353,14 +378,19 @@ class GrammarService:
         when no request is constrained), and the error of each row that allows no token: its
         grammar can go no further, or filling its row failed. Such a row allows nothing, so
         the sampler reports it failed and its request fails alone."""
-        grammars = [(i, r, r.grammar) for i, r in enumerate(requests) if r.grammar is not None]
+        # A request verifying a draft owns 1 + d adjacent rows: its first fills them all.
+        grammars = [(i, r, r.grammar) for i, r in enumerate(requests) if r.grammar is not None
+                    and (i == 0 or requests[i - 1] is not r)]
         if not grammars:
             return None, {}
         bitmask = xgr.allocate_token_bitmask(len(requests), self.vocab_size)  # all allowed
         errors: dict[int, str] = {}
         for i, req, grammar in grammars:
             try:
-                grammar.fill(req, bitmask, i)
+                if req.draft_token_ids:
+                    grammar.fill_draft(req, req.draft_token_ids, bitmask, i)
+                else:
+                    grammar.fill(req, bitmask, i)
             except Exception as exc:  # one request's matcher: that request fails, not the batch
                 logger.exception("request %s: filling its token mask failed", req.request_id)
                 bitmask[i] = 0
