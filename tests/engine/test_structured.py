@@ -63,10 +63,11 @@ def setup(tmp_path_factory):
     return model, adapters
 
 
-def make_engine(model, adapters, num_pages=512, jump_forward="exact", timeout=30.0):
+def make_engine(model, adapters, num_pages=512, jump_forward="exact", timeout=30.0,
+                **config):
     return Engine(EngineConfig(model=str(model), num_pages=num_pages, jump_forward=jump_forward,
                                grammar_compile_timeout=timeout,
-                               scheduler=SchedulerConfig(page_size=4)),
+                               scheduler=SchedulerConfig(page_size=4), **config),
                   adapter_source=LoadedSource(list(adapters)))
 
 

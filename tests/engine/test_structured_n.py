@@ -112,6 +112,26 @@ def test_n_constrained_under_preemption_and_string_mode(setup):  # noqa: F811
     assert_pages_idle(tight_engine)
 
 
+def test_n_constrained_sequences_speculate_with_their_own_matchers(setup):  # noqa: F811
+    """Speculation on: each forked sequence drafts and verifies against its own matcher, and
+    the n sequences' tokens equal speculation off's (greedy and seeded)."""
+    model, adapters = setup
+    for temperature in (0.0, 1.0):
+        requests = the_mix(adapters, temperature, N, seed0=70)
+        off = run_n(make_engine(model, adapters), requests)
+        spec_engine = make_engine(model, adapters, speculative_method="ngram",
+                                  speculative_cost_gate=False)
+        on = run_n(spec_engine, requests)
+        assert {k: v[0] for k, v in on.items()} == {k: v[0] for k, v in off.items()}
+        for i, spec in enumerate(SPECS):
+            for index in range(N):
+                _, text, out = on[f"c{i}", index]
+                assert out.finish_reason == "stop", (i, index, out.error)
+                check_valid(spec, text)
+        assert spec_engine.stats().spec.num_proposed_tokens > 0
+        assert_pages_idle(spec_engine)
+
+
 def test_n_with_a_constraint_is_accepted():
     params = SamplingParams(n=3, structured=StructuredOutput("regex", "[a-z]{2}"))
     assert params.n == 3 and params.structured is not None
