@@ -42,12 +42,16 @@ logger = logging.getLogger(__name__)
 MAX_ADAPTERS = 512
 
 
+def _leave(spec: RankSpec, status: int) -> None:
+    # A killed driver cannot remove its rendezvous directory; its ranks outlive it briefly.
+    shutil.rmtree(Path(spec.init_method.removeprefix("file://")).parent, ignore_errors=True)
+    os._exit(status)
+
+
 def _exit_with_driver(spec: RankSpec) -> None:
     # The driver holds the write end of our stdin: EOF means it is gone (or stopping us).
     sys.stdin.buffer.read()
-    # A killed driver cannot remove its rendezvous directory; its ranks outlive it briefly.
-    shutil.rmtree(Path(spec.init_method.removeprefix("file://")).parent, ignore_errors=True)
-    os._exit(1)
+    _leave(spec, 1)
 
 
 def copy_region(pools: torch.Tensor, pages: tuple[int, ...], region: torch.Tensor) -> None:
@@ -157,8 +161,10 @@ def main(argv: list[str]) -> None:
         groups = init_groups(spec, rank)
         RankLoop(spec, rank, groups).serve()
     except Exception:
+        # Often the driver's death seen first as a broken collective, before the stdin
+        # watcher sees its EOF: this path removes the rendezvous too (the group is over).
         logger.exception("tensor-parallel rank %d failed", rank)
-        os._exit(1)
+        _leave(spec, 1)
     dist.destroy_process_group()
     logging.shutdown()
     # Not a normal interpreter exit: the stdin watcher thread is blocked in a read.
