@@ -10,7 +10,8 @@ with it on. Every request is added at once. ``--repeats`` rounds run every cell 
 (interleaved, shared and separate in alternating order), and medians are reported: output
 tokens per wall second and per CPU second of the process (a loaded host's other jobs inflate
 CPU time far less than wall time), the peak of KV pages held (``PagerStats.num_kv``; with the
-cache on also KV + cached prefix pages), and the ratios shared / separate, against the
+cache on also KV + cached prefix pages, and KV + the cached pages some request pins, leaving
+out those kept only for reuse), and the ratios shared / separate, against the
 issue's targets (at n = 8: at least 1.5x the throughput and at most 0.4x the peak pages).
 The report records the commit and refuses a tree with uncommitted changes unless
 ``--allow-dirty``.
@@ -57,6 +58,7 @@ from loraplex.server.engine import engine as engine_module  # noqa: E402
 from loraplex.server.engine.engine import Engine  # noqa: E402
 from loraplex.server.engine.models.builtin import resolve_model_path  # noqa: E402
 from loraplex.server.engine.models.config import ModelConfig  # noqa: E402
+from loraplex.server.engine.pager import PageKind, Pager  # noqa: E402
 from loraplex.server.engine.request import SamplingParams  # noqa: E402
 from loraplex.server.engine.sampler import SamplingMetadata  # noqa: E402
 
@@ -84,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="only the sampler's cost per decode step (no parallel-sampling trace)")
     p.add_argument("--trace-only", action="store_true",
                    help="only the parallel-sampling trace (no sampler cost)")
+    p.add_argument("--prefix-cache", choices=("off", "on", "both"), default="both",
+                   help="the prefix-cache variants to run")
     p.add_argument("--repeats", type=int, default=2,
                    help="interleaved rounds of every trace cell (medians reported)")
     p.add_argument("--allow-dirty", action="store_true",
@@ -129,6 +133,13 @@ def engine_for(args: argparse.Namespace, model: Path, source: RandomAdapters,
                   adapter_source=source)
 
 
+def evictable_prefix_pages(pager: Pager) -> int:
+    """Cached prefix pages no request pins (the pager counts evictable pages of every kind
+    together, so the benchmark reads its LRU)."""
+    return sum(len(pager._entries[key].pages) for key in pager._lru
+               if pager._entries[key].kind is PageKind.PREFIX)
+
+
 def run(engine: Engine, trace: list[dict], n: int, shared: bool) -> dict:
     """Add the trace at once (n sequences each, shared or as n requests); step to the end."""
     tokens: dict[tuple[str, int], list[int]] = {}
@@ -144,7 +155,7 @@ def run(engine: Engine, trace: list[dict], n: int, shared: bool) -> dict:
                                     ignore_eos=True, seed=t["seed"] + i)
             engine.add_request(f"{t['id']}.{i}", t["prompt"], single,
                                adapter_digest=t["adapter"])
-    peak_kv = peak_held = 0
+    peak_kv = peak_held = peak_pinned = 0
     while engine.has_unfinished():
         for out in engine.step():
             rid, index = out.request_id, out.index
@@ -154,11 +165,14 @@ def run(engine: Engine, trace: list[dict], n: int, shared: bool) -> dict:
         s = engine.pager.stats()
         peak_kv = max(peak_kv, s.num_kv)
         peak_held = max(peak_held, s.num_kv + s.num_prefix)
+        peak_pinned = max(peak_pinned,
+                          s.num_kv + s.num_prefix - evictable_prefix_pages(engine.pager))
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     num_tokens = sum(len(v) for v in tokens.values())
     return {"wall_s": wall, "cpu_s": cpu, "output_tokens": num_tokens,
             "tokens_per_s": num_tokens / wall, "tokens_per_cpu_s": num_tokens / cpu,
             "peak_kv_pages": peak_kv, "peak_kv_and_prefix_pages": peak_held,
+            "peak_pinned_pages": peak_pinned,
             "preemptions": engine.stats().num_preemptions,
             "tokens": {f"{k[0]}/{k[1]}": v for k, v in tokens.items()}}
 
@@ -249,7 +263,7 @@ def sampler_cost(args: argparse.Namespace, model: Path) -> dict:
 
 
 SUMMED = ("tokens_per_s", "tokens_per_cpu_s", "wall_s", "cpu_s", "peak_kv_pages",
-          "peak_kv_and_prefix_pages", "preemptions")
+          "peak_kv_and_prefix_pages", "peak_pinned_pages", "preemptions")
 
 
 def summarize(n: int, prefix: bool, rounds: list[dict[str, dict]]) -> dict:
@@ -265,6 +279,7 @@ def summarize(n: int, prefix: bool, rounds: list[dict[str, dict]]) -> dict:
     row["cpu_throughput_ratio"] = a["tokens_per_cpu_s"] / b["tokens_per_cpu_s"]
     row["peak_kv_ratio"] = a["peak_kv_pages"] / b["peak_kv_pages"]
     row["peak_pages_ratio"] = a["peak_kv_and_prefix_pages"] / b["peak_kv_and_prefix_pages"]
+    row["peak_pinned_ratio"] = a["peak_pinned_pages"] / b["peak_pinned_pages"]
     row["same_tokens"] = [r["same_tokens"] for r in rounds]
     row["rounds"] = [{s: {k: r[s][k] for k in SUMMED} for s in ("shared", "separate")}
                      for r in rounds]
@@ -282,10 +297,11 @@ def trace_runs(args: argparse.Namespace, model: Path) -> list[dict]:
                          for _ in range(rng.randint(*args.prompt_len))],
               "max_tokens": rng.randint(*args.max_tokens)}
              for i in range(args.num_prompts)]
-    cells = [(n, prefix) for n in args.n for prefix in (False, True)]
+    prefixes = {"off": (False,), "on": (True,), "both": (False, True)}[args.prefix_cache]
+    cells = [(n, prefix) for n in args.n for prefix in prefixes]
     rounds: dict[tuple[int, bool], list[dict]] = {cell: [] for cell in cells}
     print(f"{'round':>5} {'n':>3} {'prefix':>6} {'system':>9} {'tok/s':>8} {'tok/CPU s':>9} "
-          f"{'peak KV':>8} {'KV+pfx':>7} {'preempt':>7}")
+          f"{'peak KV':>8} {'KV+pfx':>7} {'pinned':>7} {'preempt':>7}")
     for repeat in range(args.repeats):
         for j, (n, prefix) in enumerate(cells):
             # alternate which system goes first, so neither always runs on a warmer host
@@ -300,7 +316,8 @@ def trace_runs(args: argparse.Namespace, model: Path) -> list[dict]:
                 runs[name] = r
                 print(f"{repeat:>5} {n:>3} {str(prefix):>6} {name:>9} {r['tokens_per_s']:>8.1f} "
                       f"{r['tokens_per_cpu_s']:>9.1f} {r['peak_kv_pages']:>8} "
-                      f"{r['peak_kv_and_prefix_pages']:>7} {r['preemptions']:>7}", flush=True)
+                      f"{r['peak_kv_and_prefix_pages']:>7} {r['peak_pinned_pages']:>7} "
+                      f"{r['preemptions']:>7}", flush=True)
             a, b = runs["shared"]["tokens"], runs["separate"]["tokens"]
             runs["same_tokens"] = f"{sum(a[k] == b.get(k) for k in a)}/{len(a)}"
             for r in (runs["shared"], runs["separate"]):
@@ -315,7 +332,8 @@ def trace_runs(args: argparse.Namespace, model: Path) -> list[dict]:
               f" tok/CPU s {a['tokens_per_cpu_s']:.1f}/{b['tokens_per_cpu_s']:.1f} = "
               f"{row['cpu_throughput_ratio']:.2f}x; peak KV {a['peak_kv_pages']:.0f}/"
               f"{b['peak_kv_pages']:.0f} = {row['peak_kv_ratio']:.2f}x; KV+prefix "
-              f"{row['peak_pages_ratio']:.2f}x; same tokens {', '.join(row['same_tokens'])}")
+              f"{row['peak_pages_ratio']:.2f}x; pinned {row['peak_pinned_ratio']:.2f}x; "
+              f"same tokens {', '.join(row['same_tokens'])}")
     return results
 
 

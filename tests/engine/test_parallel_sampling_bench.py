@@ -32,6 +32,11 @@ def test_trace_rounds_report_medians_cpu_time_and_shared_pages(tmp_path):
         assert row["shared"]["peak_kv_pages"] < row["separate"]["peak_kv_pages"]
         assert row["peak_kv_ratio"] == (row["shared"]["peak_kv_pages"]
                                         / row["separate"]["peak_kv_pages"])
+        for system in ("shared", "separate"):  # pinned pages: KV + the cache's pinned pages
+            r = row[system]
+            assert r["peak_kv_pages"] <= r["peak_pinned_pages"] <= r["peak_kv_and_prefix_pages"]
+            if not row["prefix_cache"]:
+                assert r["peak_pinned_pages"] == r["peak_kv_pages"]
 
 
 def test_sampler_only_and_trace_only_exclude_each_other():
