@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from loraplex.kernels.metadata import AttentionMetadata
 from loraplex.kernels.reference import kv_view, write_kv
 
-__all__ = ["ModuleBlocks", "SegmentBlocks", "lora_segments", "paged_attention", "write_kv"]
+__all__ = ["GroupBlocks", "ModuleBlocks", "SegmentBlocks", "lora_segments", "paged_attention",
+           "write_kv"]
 
 
 def paged_attention(q: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetadata,
@@ -62,18 +63,21 @@ def _prefill_one(q: torch.Tensor, pool: torch.Tensor, pages: torch.Tensor, seq_l
     page_size, num_kv_heads = pool.shape[2], pool.shape[3]
     k, v = _gather_kv(pool, pages[: -(-seq_len // page_size)], seq_len)  # [L, Hkv, D]
     group = num_heads // num_kv_heads
+    kh, vh = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, L, D]
+    if n == seq_len:  # the whole sequence: plain causal, no mask to build or read
+        # enable_gqa shares each KV head among its query heads inside the fused kernel
+        # (SmolLM2's 9/3 heads: 20-30% less time than the folded queries with a mask)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kh, vh, is_causal=True,
+                                           scale=scale, enable_gqa=group > 1)
+        return o[0].transpose(0, 1).reshape(n, num_heads, head_dim)
     qh = q.view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
     # 4-d inputs take torch's fused (flash) CPU kernel; the query groups of a KV head are
     # folded into the query length, so K/V are never repeated per query head.
     qh = qh.reshape(1, num_kv_heads, group * n, head_dim)
-    kh, vh = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, L, D]
-    if group == 1 and n == seq_len:  # the whole sequence: plain causal, no mask to read
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
-    else:
-        q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [n, L]
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask.repeat(group, 1),
-                                           scale=scale)  # [1, Hkv, G*n, D]
+    q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
+    mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [n, L]
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask.repeat(group, 1),
+                                       scale=scale)  # [1, Hkv, G*n, D]
     return o.view(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(
         n, num_heads, head_dim)
 
@@ -173,13 +177,74 @@ class ModuleBlocks(NamedTuple):
     bt: torch.Tensor  # [r, d_out]: B transposed
 
 
+class GroupBlocks:
+    """One adapter's modules of one fused projection (q/k/v, gate/up, ...) in one layer, and
+    the two concatenated forms ``lora_segments`` runs on, each made once per dtype on first use:
+
+    * ``a_cat(dtype)``: ``[d_in, R]``, the modules' ``A^T`` side by side (``R`` = the sum of
+      their ranks), so one shrink serves every module;
+    * ``b_wide(dtype)``: ``[R, span]``, each module's ``B^T`` at its own rows and its own columns
+      of ``y[:, span_lo:span_hi]`` and zero elsewhere, so one expand writes every module.
+
+    A one-module group's forms are its blocks themselves (views, no copy) in their own dtype;
+    other forms are copies, kept while the adapter is resident (freed with it): ``a_cat`` is
+    the size of the A blocks, ``b_wide`` that of the B blocks times the number of modules.
+    """
+
+    def __init__(self, modules: Sequence[ModuleBlocks]) -> None:
+        self.modules = tuple(modules)
+        # the columns of y the modules write (none: the adapter does not target this group)
+        self.span_lo = min((m.start for m in self.modules), default=0)
+        self.span_hi = max((m.end for m in self.modules), default=0)
+        self.rank_offsets = list(itertools.accumulate((m.a_t.shape[1] for m in self.modules),
+                                                      initial=0))
+        self._a_cat: dict[torch.dtype, torch.Tensor] = {}
+        self._b_wide: dict[torch.dtype, torch.Tensor] = {}
+
+    def a_cat(self, dtype: torch.dtype) -> torch.Tensor:
+        a = self._a_cat.get(dtype)
+        if a is None:
+            if len(self.modules) == 1:
+                a = self.modules[0].a_t.to(dtype)
+            else:
+                a = torch.cat([m.a_t for m in self.modules], dim=1).to(dtype)
+            self._a_cat[dtype] = a
+        return a
+
+    def b_wide(self, dtype: torch.dtype) -> torch.Tensor:
+        b = self._b_wide.get(dtype)
+        if b is None:
+            if len(self.modules) == 1:
+                b = self.modules[0].bt.to(dtype)
+            else:
+                first = self.modules[0].bt
+                b = first.new_zeros(self.rank_offsets[-1], self.span_hi - self.span_lo,
+                                    dtype=dtype)
+                for m, r0, r1 in zip(self.modules, self.rank_offsets, self.rank_offsets[1:]):
+                    b[r0:r1, m.start - self.span_lo:m.end - self.span_lo] = m.bt
+            self._b_wide[dtype] = b
+        return b
+
+
 class SegmentBlocks(NamedTuple):
-    """A segment's rows, its adapter's scale, and the blocks of the modules it targets."""
+    """A segment's rows, its adapter's scale, and its adapter's blocks for the projection."""
 
     lo: int
     hi: int
     scale: float
-    modules: Sequence[ModuleBlocks]
+    group: GroupBlocks
+
+
+# Up to this many rows a segment's modules run as one shrink and one expand over the
+# concatenated blocks (``b_wide``'s zeros cost FLOPs, nothing next to the fixed cost of a
+# product: decode rows, measured 5 against 15 us for q/k/v at rank 16, SmolLM2's shapes);
+# longer segments expand module by module, in fp32 (FLOPs dominate there).
+_SHORT_SEGMENT = 16
+
+
+def _native_bf16() -> bool:
+    return (torch.backends.mkldnn.is_available()
+            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
 
 def lora_segments(x: torch.Tensor, y: torch.Tensor, segments: Sequence[SegmentBlocks]) -> None:
@@ -187,58 +252,53 @@ def lora_segments(x: torch.Tensor, y: torch.Tensor, segments: Sequence[SegmentBl
     projection, with each adapter's blocks resolved beforehand: the engine's CPU path.
 
     Semantics, for each segment ``s`` and each of its modules ``m``:
-    ``y[lo:hi, start:end] += scale * (x[lo:hi] @ A^T).to(dtype) @ BT`` with the products
-    accumulated in float32: the arithmetic of those two ops, bit for bit in half
-    precision; in float32 the expand is one ``addmm`` (a few ulp apart: another summation
-    order, the scaled add fused), 25% less time per decode step than mm, mul and add.
+    ``y[lo:hi, start:end] += scale * (x[lo:hi] @ A^T) @ BT``, products accumulated in float32.
+    One shrink per segment over the modules' concatenated ``A^T`` (``GroupBlocks.a_cat``);
+    then, for a short segment (decode rows) one expand over ``b_wide``, for a long one one
+    ``addmm`` per module. In float32 this is the references' arithmetic up to summation order
+    (a few ulp; the scaled add fused into ``addmm``).
 
-    Mixed precision (half-precision ``x`` and ``y``, float32 blocks: the engine's bf16 CPU path,
-    which keeps float32 copies of its adapters' blocks): each segment's rows of ``x`` are
-    widened once, every product runs in float32, and ``y`` gets each module's delta rounded
-    once per element;
-    ``h`` is *not* rounded to half precision (the reference rounds it), so the result is
-    within half precision's last bit of the references, not equal. On CPU this is 2.5-3x faster
-    than half-precision products: oneDNN's bf16 GEMM has a large fixed cost at LoRA's tiny
-    shapes (rank 8-16), float32 GEMM does not.
+    Half precision (``x`` and ``y`` bf16 or fp16): a short segment, or any in fp16 (or where
+    oneDNN has no bf16), runs *widened*: its rows of ``x`` widened once, float32 products,
+    ``y`` rounded once per element (``h`` is not rounded as the reference rounds it: within
+    half precision's last bit of the references). A long bf16 segment runs two bf16 GEMMs on
+    oneDNN (AMX where the CPU has it): ``h`` rounded to bf16 as the reference does, the expand
+    accumulated in float32 and added into ``y`` with one rounding (``addmm``'s sum post-op).
+    Why two regimes: oneDNN's bf16 GEMM has a large fixed cost at LoRA's ranks (43 against
+    9 us for one decode row), and float32 GEMMs are 7-10x slower than bf16 ones on a
+    512-row prefill segment.
 
-    Resolving the blocks once per adapter (``region_rows``, a view when a block lies in one
-    page) and visiting segments rather than modules leaves two matrix multiplies per segment
-    and module: on CPU their fixed cost (about 5 us each), not the arithmetic, is most of what
-    LoRA costs in a decode step.
+    On CPU the fixed cost of each small product (about 5 us), not the arithmetic, is most of
+    what LoRA costs in a decode step: hence one shrink and one expand per segment there.
 
     Args:
         x: ``[T, d_in]``, rows grouped by segment.
         y: ``[T, d_out_total]``, the fused projection's output, updated in place.
         segments: the segments of rank > 0; rows of no segment are not touched.
     """
-    if x.dtype == torch.float32:
-        for seg in segments:
-            xs, ys = x[seg.lo:seg.hi], y[seg.lo:seg.hi]
-            for m in seg.modules:
-                ys[:, m.start:m.end].addmm_(torch.mm(xs, m.a_t), m.bt, alpha=seg.scale)
-        return
-    if all(m.a_t.dtype == torch.float32 for seg in segments for m in seg.modules):
-        _lora_segments_widened(x, y, segments)
-        return
+    half = x.dtype != torch.float32
+    native = half and x.dtype == torch.bfloat16 and _native_bf16()
     for seg in segments:
-        xs, ys = x[seg.lo:seg.hi], y[seg.lo:seg.hi]
-        for m in seg.modules:
-            h = (xs.float() @ m.a_t.float()).to(m.bt.dtype)
-            delta = h.float() @ m.bt.float()
-            out = ys[:, m.start:m.end]
-            out.copy_(out.float() + seg.scale * delta)
-
-
-def _lora_segments_widened(x: torch.Tensor, y: torch.Tensor,
-                           segments: Sequence[SegmentBlocks]) -> None:
-    """``lora_segments`` on half-precision ``x`` / ``y`` with float32 blocks (see there).
-
-    Segment by segment, so that the float32 temporaries (the segment's rows of ``x`` widened,
-    each module's product) stay cache-sized: one float32 delta over a whole prefill chunk
-    (2048 x 3072) made the bf16 LoRA cost as much as the base GEMMs (memory traffic).
-    """
-    for seg in segments:
-        xs, ys = x[seg.lo:seg.hi].float(), y[seg.lo:seg.hi]  # [rows, d_in] float32
-        for m in seg.modules:
-            # in place on bf16 with a float32 operand: the sum runs in float32, rounded once
-            ys[:, m.start:m.end].add_(torch.mm(torch.mm(xs, m.a_t), m.bt), alpha=seg.scale)
+        g = seg.group
+        rows = seg.hi - seg.lo
+        short = rows <= _SHORT_SEGMENT
+        ys = y[seg.lo:seg.hi, g.span_lo:g.span_hi]
+        if native and not short:
+            ys.addmm_(torch.mm(x[seg.lo:seg.hi], g.a_cat(x.dtype)), g.b_wide(x.dtype),
+                      alpha=seg.scale)
+            continue
+        xs = x[seg.lo:seg.hi].float() if half else x[seg.lo:seg.hi]
+        h = torch.mm(xs, g.a_cat(torch.float32))  # [rows, R] float32
+        if short:
+            if half:  # in place on half y with a float32 operand: summed in float32, rounded once
+                ys.add_(torch.mm(h, g.b_wide(torch.float32)), alpha=seg.scale)
+            else:
+                ys.addmm_(h, g.b_wide(torch.float32), alpha=seg.scale)
+            continue
+        b = g.b_wide(torch.float32) if half else None
+        for m, r0, r1 in zip(g.modules, g.rank_offsets, g.rank_offsets[1:]):
+            c0, c1 = m.start - g.span_lo, m.end - g.span_lo
+            if b is None:
+                ys[:, c0:c1].addmm_(h[:, r0:r1], m.bt, alpha=seg.scale)
+            else:
+                ys[:, c0:c1].add_(torch.mm(h[:, r0:r1], b[r0:r1, c0:c1]), alpha=seg.scale)

@@ -31,7 +31,7 @@ import torch
 
 from loraplex.adapter_store.format import CanonicalAdapter
 from loraplex.adapter_store.store import AdapterSource
-from loraplex.kernels.cpu import ModuleBlocks
+from loraplex.kernels.cpu import GroupBlocks
 from loraplex.kernels.layout import AdapterLayout, adapter_layout
 from loraplex.server.engine.batch import AdapterLoad
 from loraplex.server.engine.models.config import LORA_MODULES, ModelConfig
@@ -119,7 +119,7 @@ class ResidentAdapter:
     # The CPU LoRA path's blocks of this adapter per (layer, fused group), resolved on first
     # use (lora.py); its pages do not move while it is resident, and the cache goes with this
     # object when the adapter is evicted.
-    blocks: dict[tuple[int, str], tuple[ModuleBlocks, ...]] = field(
+    blocks: dict[tuple[int, str], GroupBlocks] = field(
         default_factory=dict, compare=False, repr=False)
 
 

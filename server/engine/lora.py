@@ -13,10 +13,11 @@ Two ways to run it, same arithmetic:
 * The CPU path: ``kernels/cpu.lora_segments``, segment by segment, with each resident
   adapter's blocks resolved once (views of its pages, cached on the ``ResidentAdapter`` until
   it is evicted). On CPU a decode step's LoRA cost is the fixed cost of many small torch
-  operations, so the fewer per segment the better; the op-signature references
-  (``lora_shrink`` / ``lora_expand``) decode the page table in every call. With a bf16 (or
-  fp16) pool the resolved blocks are float32 copies and the products run in float32
-  (``lora_segments``' widened path): oneDNN's bf16 GEMM is slow at rank 8-16.
+  operations, so the fewer per segment the better: one shrink over the modules' concatenated
+  A's and, for decode rows, one expand (``cpu.GroupBlocks``); the op-signature references
+  (``lora_shrink`` / ``lora_expand``) decode the page table in every call. With a bf16 pool
+  short segments run in float32 (copies of the blocks: oneDNN's bf16 GEMM is slow at rank
+  8-16 and few rows) and long ones as bf16 GEMMs (``lora_segments``).
 """
 
 from __future__ import annotations
@@ -120,11 +121,12 @@ class LoraBatch:
 
     def _segment_major(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         segments = []
+        key = (layer, group)
         for lo, hi, adapter in self.segments:
-            blocks = adapter.blocks.get((layer, group))
+            blocks = adapter.blocks.get(key)
             if blocks is None:
-                blocks = adapter.blocks[(layer, group)] = self._resolve(adapter, layer, group)
-            if blocks:
+                blocks = adapter.blocks[key] = self._resolve(adapter, layer, group)
+            if blocks.modules:
                 segments.append(cpu.SegmentBlocks(lo, hi, adapter.scale, blocks))
         if not segments:
             return
@@ -139,10 +141,10 @@ class LoraBatch:
             if threads > 1:
                 torch.set_num_threads(threads)
 
-    def _resolve(self, adapter: ResidentAdapter, layer: int,
-                 group: str) -> tuple[cpu.ModuleBlocks, ...]:
+    def _resolve(self, adapter: ResidentAdapter, layer: int, group: str) -> cpu.GroupBlocks:
         # A view of the pool where a block lies in one page, else a copy (region_rows): the
-        # pages of a resident adapter neither move nor change.
+        # pages of a resident adapter neither move nor change. The group's concatenated forms
+        # (and, in half precision, their float32 copies) are made on first use (GroupBlocks).
         pool = self.pools[layer]
         pages = torch.tensor(adapter.pages, dtype=torch.long)
         layout = adapter.layout
@@ -155,10 +157,5 @@ class LoraBatch:
             a = reference.region_rows(pool, pages, layout.a_offsets[module], layout.rank, d_in)
             bt = reference.region_rows(pool, pages, layout.b_offsets[module], layout.rank,
                                        d_out)
-            if pool.dtype != torch.float32:
-                # half-precision pools (bf16): float32 copies, made once per resident adapter,
-                # for lora_segments' widened path (2.5-3x faster on CPU than bf16 products at
-                # rank 8-16; twice the bytes of the adapter's pages, freed with it)
-                a, bt = a.float(), bt.float()
             blocks.append(cpu.ModuleBlocks(start, end, a.t(), bt))
-        return tuple(blocks)
+        return cpu.GroupBlocks(blocks)

@@ -69,6 +69,19 @@ def test_paged_attention_matches_reference(seed: int, dtype: torch.dtype) -> Non
     assert torch.equal(cpu.paged_attention(q, pool, meta, page_size, num_kv_heads, scale), out)
 
 
+# (rtol, atol) of lora_segments against the op-signature references, per dtype.
+SEGMENT_TOLERANCE = {
+    # one addmm per expand (another summation order, the scaled add fused): a few ulp
+    torch.float32: TOLERANCE[torch.float32],
+    # fp16 runs widened: h stays float32 where the reference rounds it to fp16 (2**-11
+    # relative on h, on deltas of magnitude <= ~10), then y is rounded once in each
+    torch.float16: (4e-3, 2e-2),
+    # bf16: h unrounded (short segments) or rounded by another GEMM (long ones): bf16's last
+    # bits, 2**-8 relative, on deltas of magnitude <= ~10
+    torch.bfloat16: (3e-2, 6e-2),
+}
+
+
 def _segment_blocks(batch, start: int = 0, blocks_dtype: torch.dtype | None = None
                     ) -> list[cpu.SegmentBlocks]:
     bounds = batch.seg_indptr.tolist()
@@ -85,7 +98,7 @@ def _segment_blocks(batch, start: int = 0, blocks_dtype: torch.dtype | None = No
             a, bt = a.to(blocks_dtype), bt.to(blocks_dtype)
         module = cpu.ModuleBlocks(start, start + batch.d_out, a.t(), bt)
         segments.append(cpu.SegmentBlocks(bounds[s], bounds[s + 1], batch.scales[s].item(),
-                                          [module]))
+                                          cpu.GroupBlocks([module])))
     return segments
 
 
@@ -95,9 +108,7 @@ def _segment_blocks(batch, start: int = 0, blocks_dtype: torch.dtype | None = No
 def test_segments_equal_shrink_then_expand(pattern: str, shape: str, dtype: torch.dtype) -> None:
     # The engine's CPU path (blocks resolved once, segment by segment) against the op-signature
     # references it replaces. Blocks cross pages here (page_elems 80 against rows of 100), so
-    # some are copies and some views. fp16 runs the same operations: the same bits. In fp32 the
-    # expand is one addmm, which may sum in another order than mm then add (and fuse the
-    # scaled add): a few ulp, within the fp32 row of TOLERANCE.
+    # some are copies and some views. See SEGMENT_TOLERANCE for why each dtype's bound.
     batch = make_batch(pattern, SHAPES[shape], d_in=100, d_out=72, page_elems=80, dtype=dtype)
     y0 = torch.randn(batch.x.shape[0], 72 + 30, device=DEVICE).to(dtype)
     expected = y0.clone()
@@ -107,11 +118,8 @@ def test_segments_equal_shrink_then_expand(pattern: str, shape: str, dtype: torc
                           batch.b_offsets, batch.scales, expected[:, 30:])
     y = y0.clone()
     cpu.lora_segments(batch.x, y, _segment_blocks(batch, start=30))
-    if dtype == torch.float16:
-        assert torch.equal(y, expected)
-    else:
-        rtol, atol = TOLERANCE[dtype]
-        torch.testing.assert_close(y, expected, rtol=rtol, atol=atol)
+    rtol, atol = SEGMENT_TOLERANCE[dtype]
+    torch.testing.assert_close(y, expected, rtol=rtol, atol=atol)
     assert not torch.equal(y, y0)  # the adapters did add something
     assert torch.equal(y[:, :30], y0[:, :30])  # columns of other modules untouched
 
@@ -137,3 +145,40 @@ def test_widened_bf16_segments_within_bf16_of_reference(pattern: str, shape: str
     atol = 2 * 2.0 ** -8 * expected.float().abs().max().item()
     torch.testing.assert_close(y.float(), expected.float(), rtol=2.0 ** -7, atol=atol)
     assert not torch.equal(y, y0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_fused_group_segments_equal_each_module(pattern: str, dtype: torch.dtype) -> None:
+    # A fused projection of three targeted modules (one shrink over their concatenated A's,
+    # one expand over the zero-padded B's for short segments, per-module expands for long
+    # ones, bf16 GEMMs for long bf16 segments) against each module's references, with
+    # segments of every length on both sides of the short-segment bound, a column gap before
+    # the first module and between the modules that no adapter targets.
+    tokens = [1, 3, 40, 1, 60, 17, 7, 1, 25, 2]
+    widths, starts = (72, 40, 24), (30, 110, 150)
+    batches = [make_batch(pattern, tokens, d_in=100, d_out=w, page_elems=80, dtype=dtype)
+               for w in widths]
+    x = batches[0].x
+    total = starts[-1] + widths[-1] + 5
+    y0 = torch.randn(x.shape[0], total, device=DEVICE).to(dtype)
+    expected = y0.clone()
+    for batch, start, w in zip(batches, starts, widths):
+        h = reference.lora_shrink(x, batch.pool, batch.page_table, batch.seg_indptr,
+                                  batch.ranks, batch.a_offsets, batch.max_rank)
+        reference.lora_expand(h, batch.pool, batch.page_table, batch.seg_indptr, batch.ranks,
+                              batch.b_offsets, batches[0].scales,  # one scale per adapter
+                              expected[:, start:start + w])
+    per_module = [_segment_blocks(b, start=st) for b, st in zip(batches, starts)]
+    segments = [cpu.SegmentBlocks(seg.lo, seg.hi, seg.scale, cpu.GroupBlocks(
+        [m for blocks in parts for m in blocks.group.modules]))
+        for seg, *parts in zip(per_module[0], *per_module)]
+    if pattern == "distinct":  # both regimes in one call
+        assert {s.hi - s.lo > 16 for s in segments} == {True, False}
+    y = y0.clone()
+    cpu.lora_segments(x, y, segments)
+    rtol, atol = SEGMENT_TOLERANCE[dtype]
+    torch.testing.assert_close(y.float(), expected.float(), rtol=rtol, atol=atol)
+    assert not torch.equal(y, y0)
+    for lo, hi in [(0, 30), (102, 110), (174, total)]:  # columns no module owns: untouched
+        assert torch.equal(y[:, lo:hi], y0[:, lo:hi])

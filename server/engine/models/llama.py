@@ -153,19 +153,21 @@ class LlamaModel:
                 ctx.lora(i, "o", attn, o)
             if ctx.all_reduce is not None:
                 ctx.all_reduce(o)
-            hidden = hidden + o
+            hidden += o  # in place: hidden is this forward's own tensor
             x = rms_norm(hidden, w.post_norm, cfg.rms_norm_eps)
             gate_up = linear(x, w.gate_up, w.gate_up_bias)  # [T, 2 * intermediate]
             if ctx.lora is not None:
                 ctx.lora(i, "gate_up", x, gate_up)
             gate, up = gate_up.chunk(2, dim=-1)
-            act = self.act(gate) * up
+            # SiLU in place on gate_up's own buffer (same values; one [T, intermediate]
+            # temporary fewer); the other activations are not all in-place ops
+            act = (F.silu(gate, inplace=True) if self.act is F.silu else self.act(gate)) * up
             down = linear(act, w.down, w.down_bias)
             if ctx.lora is not None:
                 ctx.lora(i, "down", act, down)
             if ctx.all_reduce is not None:
                 ctx.all_reduce(down)
-            hidden = hidden + down
+            hidden += down
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
