@@ -81,6 +81,10 @@ class SchedulerConfig:
     min_prefill_chunk: int = setting(
         32, "with target_itl_ms: prompt tokens a step computes at least while prompts wait, "
         "even past the target, so prefill never starves", unit="tokens")
+    decode_floor_ratio: float = setting(
+        2.0, "with target_itl_ms: when the decode rows alone are predicted over the target, a "
+        "step may take up to this many times their predicted time, prefill getting the rest "
+        "(1: the target alone, prefill falls to min_prefill_chunk)")
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -97,6 +101,9 @@ class SchedulerConfig:
                              f"{self.target_itl_ms}")
         if self.min_prefill_chunk < 1:
             raise ValueError(f"min_prefill_chunk: must be >= 1, got {self.min_prefill_chunk}")
+        if not 1.0 <= self.decode_floor_ratio < float("inf"):
+            raise ValueError(f"decode_floor_ratio: must be finite and >= 1, got "
+                             f"{self.decode_floor_ratio}")
         if self.vtc_input_weight < 0 or self.vtc_output_weight < 0:
             raise ValueError("vtc_input_weight / vtc_output_weight: must be >= 0")
         object.__setattr__(self, "tenant_weights", tuple(

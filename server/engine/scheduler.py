@@ -7,7 +7,8 @@ then waiting requests are admitted while the budget, the running cap and the pag
 
 With an inter-token latency target (``target_itl_ms``) the budget is also one of time: each
 step's prefill is sized so that the step's predicted time (a cost model passed in as a
-function, ``step_cost.py``) stays within the target: stall-free batching as in Sarathi-Serve.
+function, ``step_cost.py``) stays within the target, or within ``decode_floor_ratio`` times
+the decode rows' own time when they alone exceed it: stall-free batching as in Sarathi-Serve.
 """
 
 from __future__ import annotations
@@ -158,14 +159,22 @@ class Scheduler:
         # target always lets advance; everything before is prefill, which it sizes.
         return request.num_computed_tokens >= request.num_prompt_tokens
 
+    def _step_limit(self, decode_shape: StepShapeBuilder) -> float | None:
+        """The step's time budget: the target, or ``decode_floor_ratio`` times the decode
+        rows' own predicted time when that is larger (None: no target)."""
+        if self._target is None or self._cost is None:
+            return None
+        floor = self._cost(decode_shape.shape())
+        return max(self._target, self.config.decode_floor_ratio * floor)
+
     def _fit(self, shape: StepShapeBuilder, req: Request, n: int, prefilled: bool,
-             pages_loaded: int) -> int:
+             pages_loaded: int, limit: float | None) -> int:
         """The largest chunk of at most ``n`` tokens that keeps the step's predicted time
-        within the target; the step's first prefill chunk gets at least the minimum chunk,
-        a later one that minimum or nothing."""
-        if self._target is None or self._cost is None or n <= 0:
+        within ``limit`` (``_step_limit``); the step's first prefill chunk gets at least the
+        minimum chunk, a later one that minimum or nothing."""
+        if limit is None or self._cost is None or n <= 0:
             return n
-        cost, target = self._cost, self._target
+        cost, target = self._cost, limit
         num_computed, digest = req.num_computed_tokens, req.adapter_digest
 
         def fits(k: int) -> bool:
@@ -198,9 +207,23 @@ class Scheduler:
         With ``target_itl_ms`` (and a cost model), every decode row (a running request past
         its prompt) advances as above, its tokens held out of the budget for it; prefill
         chunks (running prompts, then admissions) get only the tokens for which the step's
-        predicted time stays within the target. The step's first prefill chunk always gets
-        at least ``min_prefill_chunk`` tokens (or its remainder), so a step exceeds the
-        target only by its decodes or by that one minimum chunk.
+        predicted time stays within the step's limit ``L = max(target, r * D)``: ``D`` is
+        the predicted time of the step's decode rows alone (those running at its start) and
+        ``r = decode_floor_ratio``. The step's first prefill chunk always gets at least
+        ``min_prefill_chunk`` tokens (or its remainder), so a step exceeds ``L`` only by that
+        one minimum chunk.
+
+        Why ``r * D``: when the decodes alone are predicted over the target (a CPU at high
+        concurrency), the target alone leaves prefill only the minimum chunk, so the queue
+        refills slowly and fewer requests decode at once (throughput and TTFT collapse for
+        a target nobody can meet); ``r * D`` leaves prefill ``(r - 1) / r`` of such a step.
+        Keeping ``C`` requests decoding (prompts of ``P``, outputs of ``O`` tokens) needs
+        ``C * P / O`` prompt tokens a step: ``r - 1 >= (P / O) * (p / d)`` suffices, with
+        ``p`` and ``d`` the model's cost of a prompt token and of a decode row; ``r = 2``
+        covers prompts up to ``O * d / p`` (about 2.2x the output on the CPU's live fit).
+        And a stream's gap stays within ``r`` times its decode floor: ``r = 2`` is the
+        issue's ITL p99 <= 2x p50 when the median gap is that floor. ``r = 1`` is the
+        target alone; a feasible target (``r * D <= target``) is untouched.
 
         The TTFT bound: while prompts wait, every step computes at least ``m =
         min_prefill_chunk`` prompt tokens, first of the running prompts then of the queue's
@@ -242,6 +265,8 @@ class Scheduler:
                     n = self._chunk(req, budget)
                     held[req.request_id] = (req, n)
                     shape.add(req.num_computed_tokens, n, True, req.adapter_digest)
+        # shape holds the decode rows alone here: their predicted time is the step's floor
+        limit = self._step_limit(shape) if sizing else None
         reserved = sum(n for _, n in held.values())
         prefilled = False
 
@@ -259,7 +284,8 @@ class Scheduler:
             if req.request_id in held:
                 n = min(unhold(req), budget)
             else:
-                n = self._fit(shape, req, self._chunk(req, budget - reserved), prefilled, 0)
+                n = self._fit(shape, req, self._chunk(req, budget - reserved), prefilled, 0,
+                              limit)
                 if n <= 0:
                     i += 1  # no room for this prompt's chunk; the decodes behind it still go
                     continue
@@ -319,7 +345,7 @@ class Scheduler:
             req.page_ids = matched
             req.num_computed_tokens = len(matched) * self.config.page_size
             loaded = self.gate.pages_to_load(req) if self.gate is not None else 0
-            n = self._fit(shape, req, self._chunk(req, budget), prefilled, loaded)
+            n = self._fit(shape, req, self._chunk(req, budget), prefilled, loaded, limit)
             need = self._pages_for(req, req.num_computed_tokens + n)
             extra = self.gate.pages_needed(req) if self.gate is not None else 0
             if n <= 0 or not self.pager.can_allocate(need + extra):

@@ -1,5 +1,6 @@
-"""An inter-token latency target through the service: with a target no step can meet, every
-step computes one minimum prefill chunk beside its decodes (so a prompt of P tokens takes
+"""An inter-token latency target through the service: with a target no step can meet and
+``decode_floor_ratio`` 1 (the target alone), every step computes one minimum prefill chunk
+beside its decodes (so a prompt of P tokens takes
 ceil(P / min_prefill_chunk) steps), streams still produce the tokens each request produces
 alone, and the worker's /metrics show steps measured against the cost model's predictions."""
 
@@ -22,8 +23,10 @@ PROMPTS = [[(13 * i + 7 * j) % 250 + 1 for j in range(10 + 7 * i)] for i in rang
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     # 1 microsecond: every step is over it, so each step's prefill is the minimum chunk
+    # (ratio 1: no room over the decode floor either)
     c = Cluster(model_dir, tmp_path_factory.mktemp("store"),
                 engine={"target_itl_ms": 0.001, "min_prefill_chunk": CHUNK,
+                        "decode_floor_ratio": 1.0,
                         "enable_prefix_caching": False},
                 worker={"metrics_port": 0})
     yield c

@@ -1,8 +1,10 @@
 """Stall-free scheduling with no model and no clock: a synthetic step cost model, counted
-steps. With ``target_itl_ms`` no step's predicted time exceeds the target unless one minimum
-prefill chunk (or the decodes alone) does; every request reaches its first token within the
-bound the scheduler's docstring states; with the target off the schedules are the
-scheduler's without a cost model, step for step, over random traces."""
+steps. With ``target_itl_ms`` no step's predicted time exceeds its limit, ``max(target,
+decode_floor_ratio x the decode rows' own time)``, unless one minimum prefill chunk does; a
+target below the decode floor still leaves prefill its share of the step; every request
+reaches its first token within the bound the scheduler's docstring states; with the target
+off the schedules are the scheduler's without a cost model, step for step, over random
+traces."""
 
 from __future__ import annotations
 
@@ -72,11 +74,18 @@ class Driver:
     def __init__(self, sched: Scheduler, prefix: PrefixCache | None = None):
         self.sched, self.prefix = sched, prefix
         self.steps: list[tuple[list[tuple[str, int]], list[str], StepShape, StepShape]] = []
+        self.floors: list[StepShape] = []  # each step's decode rows alone, at its start
         self.prefill_rows: list[int] = []
         self.first_scheduled: dict[str, int] = {}
         self.first_token: dict[str, int] = {}
 
     def step(self) -> None:
+        floor = StepShapeBuilder()
+        for req in self.sched.running:
+            if req.num_computed_tokens >= req.num_prompt_tokens:
+                floor.add(req.num_computed_tokens, req.num_tokens - req.num_computed_tokens,
+                          True, req.adapter_digest)
+        self.floors.append(floor.shape())
         batch = self.sched.schedule()
         truth = StepShapeBuilder()
         rows = 0
@@ -133,28 +142,32 @@ def random_arrivals(seed: int, num: int = 40, adapters: bool = False, shared: bo
     return out
 
 
-def check_within_target(driver: Driver, cost, target_s: float, min_chunk: int) -> int:
-    """Every step within the target unless its prefill is one chunk of <= min_chunk tokens;
-    the batch's shape is its rows' shape. Returns the steps over the target."""
+def check_within_target(driver: Driver, cost, target_s: float, min_chunk: int,
+                        ratio: float = 2.0) -> int:
+    """Every step within its limit, max(target, ratio x its decode rows' predicted time),
+    unless its prefill is one chunk of <= min_chunk tokens; the batch's shape is its rows'
+    shape. Returns the steps over the limit."""
     over = 0
-    for (scheduled, _, shape, expected), rows in zip(driver.steps, driver.prefill_rows):
+    for (scheduled, _, shape, expected), rows, floor in zip(driver.steps, driver.prefill_rows,
+                                                             driver.floors):
         assert shape == expected, scheduled
-        if cost(shape) > target_s:
+        if cost(shape) > max(target_s, ratio * cost(floor)):
             over += 1
             assert shape.num_prefill_tokens <= min_chunk, (scheduled, shape)
             assert rows <= 1, scheduled
     return over
 
 
+@pytest.mark.parametrize("ratio", [1.0, 2.0])
 @pytest.mark.parametrize("seed", range(6))
-def test_no_step_exceeds_the_target_but_by_one_minimum_chunk(seed):
+def test_no_step_exceeds_the_target_but_by_one_minimum_chunk(seed, ratio):
     cost = linear_cost()
     cfg = SchedulerConfig(page_size=4, max_num_batched_tokens=256, target_itl_ms=20,
-                          min_prefill_chunk=16)
+                          min_prefill_chunk=16, decode_floor_ratio=ratio)
     pager = Pager(400)
     driver = Driver(Scheduler(cfg, pager, Gate(), cost=cost))
     driver.run(random_arrivals(seed, adapters=True))
-    check_within_target(driver, cost, 0.020, 16)
+    check_within_target(driver, cost, 0.020, 16, ratio)
     assert pager.num_free == 400
     # the target binds: without it the same trace has steps far over it
     free = Driver(Scheduler(SchedulerConfig(page_size=4, max_num_batched_tokens=256),
@@ -184,9 +197,10 @@ def test_the_target_holds_with_preemption_and_prefix_caching(seed):
     assert pager.num_free + prefix.stats().num_cached_pages == pages
 
 
-def test_only_one_minimum_chunk_goes_when_the_decodes_fill_the_target():
+def test_with_ratio_1_only_one_minimum_chunk_goes_when_the_decodes_fill_the_target():
     cost = linear_cost(decode=1.0)  # decodes alone are far over any target
-    cfg = SchedulerConfig(page_size=4, target_itl_ms=10, min_prefill_chunk=8)
+    cfg = SchedulerConfig(page_size=4, target_itl_ms=10, min_prefill_chunk=8,
+                          decode_floor_ratio=1.0)  # the target alone
     driver = Driver(Scheduler(cfg, Pager(400), cost=cost))
     driver.run({0: [make_request("d", 3, 40)], 2: [make_request(f"p{i}", 30, 2)
                                                     for i in range(3)]})
@@ -197,12 +211,13 @@ def test_only_one_minimum_chunk_goes_when_the_decodes_fill_the_target():
     assert all(driver.first_token.get(f"p{i}") is not None for i in range(3))
 
 
+@pytest.mark.parametrize("ratio", [1.0, 2.0])
 @pytest.mark.parametrize("decode_cost", [1.0, 5e-4])
-def test_every_request_reaches_its_first_token_within_the_bound(decode_cost):
+def test_every_request_reaches_its_first_token_within_the_bound(decode_cost, ratio):
     m = 16
     cost = linear_cost(decode=decode_cost)
     cfg = SchedulerConfig(page_size=4, max_num_batched_tokens=512, target_itl_ms=15,
-                          min_prefill_chunk=m)
+                          min_prefill_chunk=m, decode_floor_ratio=ratio)
     rng = random.Random(3)
     prompts = [rng.randint(1, 120) for _ in range(12)]
     reqs = [make_request(f"r{i}", p, 30) for i, p in enumerate(prompts)]
@@ -213,6 +228,34 @@ def test_every_request_reaches_its_first_token_within_the_bound(decode_cost):
         bound += -(-p // m)
         # its last prompt chunk runs within the bound (step indexes count from 0)
         assert driver.first_token[req.request_id] < bound, (req.request_id, bound)
+
+
+@pytest.mark.parametrize("ratio", [1.5, 2.0])
+def test_a_target_below_the_decode_floor_leaves_prefill_its_share(ratio):
+    """16 long streams decode at 5 ms a row, 90 ms a step: far over the 20 ms target. Prefill
+    still gets (ratio - 1) x the decode floor a step (1 ms a prompt token), not the minimum
+    chunk alone: 16 prompts of 64 tokens are all admitted and prefilled within the steps that
+    share gives, and no step passes ratio x its decode rows' time."""
+    m = 8
+    cost = linear_cost(c0=0.010, prefill=1e-3, decode=5e-3, context=0.0, adapters=0.0)
+    cfg = SchedulerConfig(page_size=4, max_num_batched_tokens=2048, target_itl_ms=20,
+                          min_prefill_chunk=m, decode_floor_ratio=ratio)
+    driver = Driver(Scheduler(cfg, Pager(2000), cost=cost))
+    streams = [make_request(f"s{i}", 4, 200) for i in range(16)]
+    prompts = [make_request(f"p{i}", 64, 5) for i in range(16)]
+    arrival = 30  # the streams' prompts are computed by then, and they all decode
+    driver.run({0: streams, arrival: prompts})
+    assert driver.floors[arrival].num_decode_tokens == 16
+    assert check_within_target(driver, cost, 0.020, m, ratio) == 0
+    last = max(driver.first_token[p.request_id] for p in prompts)
+    # every step while prompts wait is infeasible, yet prefills at least the share the floor
+    # leaves, less one minimum chunk's worth of rounding at a chunk boundary
+    share = int((ratio - 1) * 0.090 / 1e-3) - m
+    for step in range(arrival, last):
+        assert cost(driver.floors[step]) > 0.020, step
+        assert driver.steps[step][2].num_prefill_tokens >= share, step
+    assert last - arrival < -(-16 * 64 // share)  # the target alone took 16 * 64 / m steps
+    assert all(r.num_output_tokens == r.params.max_tokens for r in streams + prompts)
 
 
 def test_cached_prefix_pages_cost_nothing():
@@ -267,7 +310,8 @@ def test_target_off_schedules_exactly_as_without_a_cost_model(seed):
     kwargs = dict(page_size=rng.choice([2, 4, 16]), max_num_batched_tokens=rng.choice([8, 64, 512]),
                   max_num_seqs=rng.choice([2, 8, 256]),
                   long_prefill_token_threshold=rng.choice([0, 7]),
-                  scheduling=rng.choice(["fcfs", "vtc"]))
+                  scheduling=rng.choice(["fcfs", "vtc"]),
+                  decode_floor_ratio=rng.choice([1.0, 2.0, 3.0]))
     # tight: the longest request (182 + 30 tokens) and an adapter fit, little else (preemption)
     tight = -(-212 // kwargs["page_size"]) + 8
     pages = rng.choice([tight, 2 * tight, 2000])
@@ -291,3 +335,6 @@ def test_target_settings_are_validated():
         SchedulerConfig(target_itl_ms=float("inf"))
     with pytest.raises(ValueError, match="min_prefill_chunk"):
         SchedulerConfig(min_prefill_chunk=0)
+    for ratio in (0.5, float("inf")):
+        with pytest.raises(ValueError, match="decode_floor_ratio"):
+            SchedulerConfig(decode_floor_ratio=ratio)
