@@ -1,9 +1,14 @@
-"""Engine-core benchmark: loraplex against transformers ``generate`` on the same requests.
+"""Engine-core benchmark: loraplex against transformers ``generate`` and vLLM on the same requests.
 
-Both systems run in this one process, interleaved over repeats, on a random Llama (hidden 1024,
-8 layers, 16 heads, intermediate 2816, vocab 32000) with token-id prompts: loraplex admits every
-request at once (continuous batching, chunked prefill), transformers runs static batches of 16
-(``loadtest/baseline.py``). Reported per dtype:
+loraplex and transformers run in this one process, interleaved over repeats, on a random
+Llama (hidden 1024, 8 layers, 16 heads, intermediate 2816, vocab 32000) with token-id prompts:
+loraplex admits every request at once (continuous batching, chunked prefill), transformers
+runs static batches of 16 (``loadtest/baseline.py``). ``--systems ... vllm-base`` adds vLLM's
+CPU build (``make bench-peers``; ``vllm_peer.py``): one base engine per dtype in its own venv
+and process, on the same model folder (the random weights' safetensors, or SmolLM2's converted
+folder), the same token-id prompts, greedy, EOS ignored, the same ``max_tokens``, every request
+in one ``LLM.generate``, its runs interleaved with the others'; its CPU time is that of its
+whole process tree (engine core and worker). Reported per dtype:
 
 * end-to-end output tokens/s, best and median over the repeats, and loraplex / transformers;
 * decode tokens/s: loraplex's median decode-only step with every request running, and
@@ -11,7 +16,9 @@ request at once (continuous batching, chunked prefill), transformers runs static
 * the roofline: measured copy bandwidth and GEMM throughput, and the decode bounds they give
   for each system's batch size;
 * how many requests got the same greedy tokens from both (random models have near-ties, and
-  batching changes the reduction order, so this is reported, not asserted).
+  batching changes the reduction order, so this is reported, not asserted);
+* with ``vllm-base``: loraplex / vLLM per wall second and per CPU second, and how many requests
+  got vLLM's greedy tokens from loraplex (in float32 the two should agree).
 
 ``--model smollm2`` runs the same on the real SmolLM2-135M-Instruct (30 layers x hidden 576, 9
 heads / 3 KV heads, vocab 49152: deep and narrow, so per-layer overhead shows). ``--profile``
@@ -21,7 +28,9 @@ adds a pass with ``step_profile.StepProfiler`` attached and prints where a step'
 Usage: ``python benchmarks/engine_bench.py --out bench-out`` (``--num-requests 16
 --num-layers 2 --repeats 1 --dtype float32`` for a quick run). ``--threads`` sets torch's
 threads for both systems; on a machine shared with other jobs, 1 thread each gives steadier
-numbers than 2 (OpenMP threads stall on each other when a core is taken away).
+numbers than 2 (OpenMP threads stall on each other when a core is taken away; vLLM's OpenMP
+threads are bound to cores 0 to ``--threads`` - 1). The report carries the commit, and the
+benchmark refuses a tree with uncommitted changes unless ``--allow-dirty``.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ from common import (  # noqa: E402
     copy_bandwidth,
     decode_roofline,
     gemm_throughput,
+    git_commit,
     machine_info,
     make_requests,
     median,
@@ -54,6 +64,7 @@ from common import (  # noqa: E402
     run_engine,
 )
 from step_profile import breakdowns_json, call_overhead_s, profile_engine, profile_table  # noqa: E402,E501
+from vllm_peer import VllmPeer, check_peer_venv, engine_kwargs, peer_info  # noqa: E402
 
 from loraplex.loadtest.baseline import (  # noqa: E402
     BaselineRequest,
@@ -65,7 +76,8 @@ from loraplex.server.config import EngineConfig, SchedulerConfig  # noqa: E402
 from loraplex.server.engine.engine import Engine  # noqa: E402
 from loraplex.server.engine.models.config import ModelConfig, parse_dtype  # noqa: E402
 
-SYSTEMS = ("loraplex", "transformers")
+SYSTEMS = ("loraplex", "transformers", "vllm-base")
+DEFAULT_SYSTEMS = ("loraplex", "transformers")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -88,12 +100,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "goes")
     p.add_argument("--max-num-batched-tokens", type=int,
                    default=SchedulerConfig().max_num_batched_tokens)
-    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--systems", nargs="+", default=list(DEFAULT_SYSTEMS), choices=SYSTEMS,
+                   help="vllm-base: vLLM's CPU build from the peer venv (make bench-peers)")
+    p.add_argument("--allow-dirty", action="store_true",
+                   help="report from a tree with uncommitted changes (the commit says -dirty)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="where the model is built (default: LORAPLEX_CACHE_DIR/bench)")
     p.add_argument("--out", type=Path, default=None, help="directory for engine_bench.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_peer_venv(p, args.systems)
+    return args
 
 
 def agreement(a: dict[str, list[int]], b: dict[str, list[int]]) -> dict[str, float]:
@@ -110,9 +127,10 @@ def agreement(a: dict[str, list[int]], b: dict[str, list[int]]) -> dict[str, flo
 
 
 def bench_dtype(args: argparse.Namespace, model_path: Path, hf_config: dict, dtype_name: str,
-                requests: list[BaselineRequest], bandwidth: float
+                requests: list[BaselineRequest], bandwidth: float, peer: VllmPeer | None = None
                 ) -> tuple[dict, dict[str, dict[str, list[int]]]]:
-    """Both systems on ``requests`` in one dtype: the report, and each system's tokens."""
+    """Every system on ``requests`` in one dtype (vLLM through ``peer``, started in that dtype):
+    the report, and each system's tokens."""
     dtype = parse_dtype(dtype_name)
     config = ModelConfig.from_pretrained(str(model_path))
     engine = baseline = None
@@ -130,9 +148,12 @@ def bench_dtype(args: argparse.Namespace, model_path: Path, hf_config: dict, dty
         run_engine(engine, warm)
     if baseline is not None:
         baseline.run(warm)
+    if peer is not None:
+        peer.warm_up(requests)
 
     lp_runs: list[EngineRun] = []
     tf_runs: list[BaselineRun] = []
+    vl_runs: list[EngineRun] = []
     cpu_s: dict[str, list[float]] = {s: [] for s in SYSTEMS}
     for rep in range(args.repeats):
         order = args.systems if rep % 2 == 0 else list(reversed(args.systems))
@@ -144,10 +165,16 @@ def bench_dtype(args: argparse.Namespace, model_path: Path, hf_config: dict, dty
             if system == "loraplex" and engine is not None:
                 lp_runs.append(run_engine(engine, requests))
                 rate = lp_runs[-1].output_tokens_per_s
-            elif baseline is not None:
+            elif system == "transformers" and baseline is not None:
                 tf_runs.append(baseline.run(requests))
                 rate = tf_runs[-1].output_tokens_per_s
-            cpu_s[system].append(time.process_time() - cpu0)
+            elif system == "vllm-base" and peer is not None:
+                # the driver times its own call: wall, and CPU of its whole process tree
+                run, peer_cpu = peer.run(requests)
+                vl_runs.append(run)
+                rate = run.output_tokens_per_s
+            cpu_s[system].append(peer_cpu if system == "vllm-base"
+                                 else time.process_time() - cpu0)
             print(f"  [{dtype_name} rep {rep}] {system:12} {rate:8.1f} tok/s, "
                   f"{cpu_s[system][-1]:.1f} CPU s, load {os.getloadavg()[0]:.1f}",
                   file=sys.stderr)
@@ -189,6 +216,34 @@ def bench_dtype(args: argparse.Namespace, model_path: Path, hf_config: dict, dty
             "roofline": asdict(decode_roofline(config, dtype, batch, mean_ctx,
                                                bandwidth, gemm["best"])),
         }
+    if vl_runs:
+        e2e = [r.output_tokens_per_s for r in vl_runs]
+        out["vllm-base"] = {
+            "e2e_tok_s": e2e, "e2e_best": max(e2e), "e2e_median": median(e2e),
+            # one LLM.generate per run: no step timings, so no decode-only rate
+            "decode_tok_s_median": float("nan"), "decode_batch": len(requests),
+            "e2e_tok_cpu_s_median": median([r.num_output_tokens / c
+                                            for r, c in zip(vl_runs, cpu_s["vllm-base"])]),
+            "decode_tok_cpu_s_median": float("nan"),
+            "wall_s": [r.wall_s for r in vl_runs], "cpu_s": cpu_s["vllm-base"],
+            "cpu_per_wall_median": median([c / r.wall_s
+                                           for r, c in zip(vl_runs, cpu_s["vllm-base"])]),
+            "roofline": asdict(decode_roofline(config, dtype, len(requests), mean_ctx,
+                                               bandwidth, gemm["best"])),
+        }
+    if lp_runs and vl_runs:
+        lp, vl = out["loraplex"], out["vllm-base"]
+        out["ratio_vllm_base"] = {
+            "e2e_best": lp["e2e_best"] / vl["e2e_best"],
+            "e2e_median": lp["e2e_median"] / vl["e2e_median"],
+            "e2e_cpu": lp["e2e_tok_cpu_s_median"] / vl["e2e_tok_cpu_s_median"],
+            # the runs made side by side, ratio by ratio
+            "e2e_pairwise_median": median([a.output_tokens_per_s / b.output_tokens_per_s
+                                           for a, b in zip(lp_runs, vl_runs)]),
+            "e2e_cpu_pairwise_median": median([
+                (a.num_output_tokens / ca) / (b.num_output_tokens / cb)
+                for a, b, ca, cb in zip(lp_runs, vl_runs, cpu_s["loraplex"],
+                                        cpu_s["vllm-base"])])}
     if lp_runs and tf_runs:
         lp, tf = out["loraplex"], out["transformers"]
         out["ratio"] = {"e2e_best": lp["e2e_best"] / tf["e2e_best"],
@@ -206,8 +261,12 @@ def bench_dtype(args: argparse.Namespace, model_path: Path, hf_config: dict, dty
         tokens["loraplex"] = lp_runs[0].token_ids
     if tf_runs:
         tokens["transformers"] = {r.request_id: r.token_ids for r in tf_runs[0].results}
+    if vl_runs:
+        tokens["vllm-base"] = vl_runs[0].token_ids
     if lp_runs and tf_runs:
         out["agreement"] = agreement(tokens["loraplex"], tokens["transformers"])
+    if lp_runs and vl_runs:
+        out["agreement_vllm_base"] = agreement(tokens["loraplex"], tokens["vllm-base"])
     return out, tokens
 
 
@@ -217,7 +276,11 @@ def print_table(args: argparse.Namespace, report: dict) -> None:
           f"{args.prompt_len[0]}-{args.prompt_len[1]} tokens, {args.max_tokens} new tokens, "
           f"{args.model} model ({report['model']['num_hidden_layers']} layers x "
           f"{report['model']['hidden_size']}); {m['cpu']}, {m['cores']} cores, "
-          f"torch threads {m['torch_threads']} (both systems), commit {m['commit']}")
+          f"torch threads {m['torch_threads']} (every system), commit {m['commit']}")
+    if "vllm" in report:
+        print(f"vLLM peer: {report['vllm']['version']}; "
+              + " ".join(f"{k}={v}" for k, v in report["vllm"]["env"].items()
+                         if k.startswith("VLLM_CPU")))
     print(f"copy bandwidth {report['copy_bandwidth'] / 1e9:.1f} GB/s (read + write)")
     head = (f"{'dtype':9} {'system':13} {'e2e best':>9} {'e2e med':>9} {'decode':>8} "
             f"{'batch':>5} {'roof mem':>9} {'roof cmp':>9} {'e2e/cpu':>8} {'dec/cpu':>8}  notes")
@@ -229,8 +292,12 @@ def print_table(args: argparse.Namespace, report: dict) -> None:
                 continue
             r = res[system]
             roof = r["roofline"]
-            notes = (f"prefill {r['prefill_fraction']:.0%} of wall" if system == "transformers"
-                     else f"{r['num_steps']} steps, {r['preemptions']} preemptions")
+            if system == "transformers":
+                notes = f"prefill {r['prefill_fraction']:.0%} of wall"
+            elif system == "vllm-base":
+                notes = f"{r['cpu_per_wall_median']:.2f} CPU s per wall s (process tree)"
+            else:
+                notes = f"{r['num_steps']} steps, {r['preemptions']} preemptions"
             print(f"{dtype:9} {system:13} {r['e2e_best']:9.1f} {r['e2e_median']:9.1f} "
                   f"{r['decode_tok_s_median']:8.1f} {r['decode_batch']:5d} "
                   f"{roof['memory_bound']:9.1f} {roof['compute_bound']:9.1f} "
@@ -242,6 +309,12 @@ def print_table(args: argparse.Namespace, report: dict) -> None:
                   f"{q['decode_cpu']:7.2f}x  GEMM "
                   f"{res['gemm_flops']['best'] / 1e9:.0f} GFLOP/s; identical tokens on "
                   f"{a['requests_identical']:.0%} of requests")
+        if "ratio_vllm_base" in res:
+            q, a = res["ratio_vllm_base"], res["agreement_vllm_base"]
+            print(f"{dtype:9} {'lp/vllm-base':13} {q['e2e_best']:8.2f}x {q['e2e_median']:8.2f}x "
+                  f"{'':>8} {'':5} {'':9} {'':9} {q['e2e_cpu']:7.2f}x {'':>8}  vLLM's greedy "
+                  f"tokens on {a['requests_identical']:.0%} of requests "
+                  f"({a['mean_prefix_fraction']:.0%} of tokens before the first difference)")
         if "profile" in res:
             print(f"\n{dtype} loraplex step profile (a separate pass, "
                   f"{args.num_requests} requests):")
@@ -250,39 +323,80 @@ def print_table(args: argparse.Namespace, report: dict) -> None:
         if "agreement_with_fp32" in res:
             f = res["agreement_with_fp32"]
             print(f"{'':9} {'':13} tokens before the first difference from float32 "
-                  f"transformers: " + ", ".join(f"{system} {f[system]['mean_prefix_fraction']:.0%}"
-                                               for system in f))
+                  f"{report['fp32_reference']}: "
+                  + ", ".join(f"{system} {f[system]['mean_prefix_fraction']:.0%}"
+                              for system in f))
     print("(tokens/s; decode: median decode-only step for loraplex, batch decode after the "
           "first token for transformers; roof: decode bounds for that batch from bandwidth "
           "(weights + KV read per step) and from GEMM throughput; /cpu: the same per CPU "
-          "second of the process, which other jobs on the machine inflate far less (with one "
-          "thread; with more it counts threads waiting on each other))")
+          "second of the process (vllm-base: of its driver's process tree, engine core and "
+          "worker), which other jobs on the machine inflate far less (with one thread; with "
+          "more it counts threads waiting on each other); vllm-base has no decode column: "
+          "each run is one LLM.generate)")
+
+
+def start_peers(args: argparse.Namespace, model_path: Path) -> dict[str, VllmPeer]:
+    """One vLLM base engine per dtype where ``vllm-base`` is asked for, loaded side by side and
+    ready before anything is timed (a loading engine would take the measured runs' CPU)."""
+    if "vllm-base" not in args.systems:
+        return {}
+    kwargs = engine_kwargs(args.num_requests, args.prompt_len[1] + args.max_tokens,
+                           args.max_num_batched_tokens, args.threads)
+    peers = {d: VllmPeer(model_path, d, **kwargs) for d in args.dtype}
+    try:
+        for peer in peers.values():
+            peer.wait_ready()
+    except BaseException:
+        for peer in peers.values():
+            peer.close()
+        raise
+    return peers
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    commit = git_commit()
+    if commit.endswith("-dirty") and not args.allow_dirty:
+        raise SystemExit(f"commit {commit}: uncommitted changes; commit them (numbers are "
+                         "quoted from a committed tree) or pass --allow-dirty")
     torch.set_num_threads(args.threads)
     cache_dir = args.cache_dir or env.cache_dir() / "bench"
     model_path, hf_config = bench_model(args.model, cache_dir, args.num_layers)
     requests = make_requests(args.num_requests, tuple(args.prompt_len), args.max_tokens,
                              hf_config["vocab_size"], seed=args.seed)
-    bandwidth = copy_bandwidth()
-    report: dict = {"args": {k: (str(v) if isinstance(v, Path) else v)
-                             for k, v in vars(args).items()},
-                    "machine": machine_info(torch.get_num_threads()), "model": hf_config,
-                    "copy_bandwidth": bandwidth, "results": {}}
-    fp32_tokens: dict[str, list[int]] | None = None  # transformers' float32 tokens
-    for dtype_name in args.dtype:
-        res, tokens = bench_dtype(args, model_path, hf_config, dtype_name, requests, bandwidth)
-        if dtype_name == "float32":
-            fp32_tokens = tokens.get("transformers")
-        elif fp32_tokens is not None:
-            # In 16 bits neither system matches float32 for long on a random model: how far
-            # each follows it tells a real divergence from rounding noise.
-            res["agreement_with_fp32"] = {system: agreement(t, fp32_tokens)
-                                          for system, t in tokens.items()}
-        report["results"][dtype_name] = res
-        gc.collect()
+    peers = start_peers(args, model_path)
+    try:
+        bandwidth = copy_bandwidth()
+        report: dict = {"args": {k: (str(v) if isinstance(v, Path) else v)
+                                 for k, v in vars(args).items()},
+                        "machine": machine_info(torch.get_num_threads()), "model": hf_config,
+                        "commit": commit, "copy_bandwidth": bandwidth, "results": {}}
+        if peers:
+            report["vllm"] = peer_info(args.threads)
+        # the float32 reference: transformers' tokens, loraplex's where transformers is not run
+        fp32_tokens: dict[str, list[int]] | None = None
+        for dtype_name in args.dtype:
+            peer = peers.pop(dtype_name, None)
+            try:
+                res, tokens = bench_dtype(args, model_path, hf_config, dtype_name, requests,
+                                          bandwidth, peer)
+            finally:
+                if peer is not None:
+                    peer.close()
+            if dtype_name == "float32":
+                report["fp32_reference"] = next((s for s in ("transformers", "loraplex")
+                                                 if s in tokens), None)
+                fp32_tokens = tokens.get(report["fp32_reference"] or "")
+            elif fp32_tokens is not None:
+                # In 16 bits neither system matches float32 for long on a random model: how
+                # far each follows it tells a real divergence from rounding noise.
+                res["agreement_with_fp32"] = {system: agreement(t, fp32_tokens)
+                                              for system, t in tokens.items()}
+            report["results"][dtype_name] = res
+            gc.collect()
+    finally:
+        for peer in peers.values():
+            peer.close()
     print_table(args, report)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

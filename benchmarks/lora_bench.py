@@ -91,7 +91,13 @@ from lora_report import (  # noqa: E402
     print_table,
 )
 from step_profile import breakdowns_json, call_overhead_s, profile_engine, profile_table  # noqa: E402,E501
-from vllm_peer import PEER_VENV, VLLM_ENV, VllmPeer, peer_version, threads_bind  # noqa: E402
+from vllm_peer import (  # noqa: E402
+    PEER_VENV,
+    VllmPeer,
+    check_peer_venv,
+    engine_kwargs,
+    peer_info,
+)
 
 from loraplex.adapter_store.format import CanonicalAdapter, build_adapter  # noqa: E402,I001
 from loraplex.kernels.layout import adapter_layout, kv_page_elems  # noqa: E402
@@ -153,6 +159,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.systems is None:
         has_peer = (PEER_VENV / ".installed").exists()
         args.systems = [s for s in SYSTEMS if has_peer or s not in VLLM_SYSTEMS]
+    check_peer_venv(p, args.systems)
     if args.peft_repeats is None:
         args.peft_repeats = args.repeats
     return args
@@ -356,10 +363,8 @@ def main(argv: list[str] | None = None) -> None:
 
     warm_up(engine, peft, family, requests, traces, args.batch_size)
     for name, peer in peers.items():  # two tokens through each vLLM engine too
-        warm = [replace(r, request_id=f"warm-{r.request_id}", max_tokens=2)
-                for r in requests[:8]]
-        peer.run(warm, [dirs[adapter_name(i)] for i in traces[max(ns)][:8]]
-                 if name == "vllm" else None)
+        peer.warm_up(requests, [dirs[adapter_name(i)] for i in traces[max(ns)]]
+                     if name == "vllm" else None)
     records: dict[int, dict[str, list[Measure]]] = {n: {s: [] for s in SYSTEMS} for n in ns}
     rep_s: list[float] = []  # loraplex seconds per repeat: what a later repeat costs
     for rep in range(args.repeats):
@@ -390,11 +395,10 @@ def main(argv: list[str] | None = None) -> None:
                     + args.max_tokens / 2)
     for peer in peers.values():
         peer.close()
-    vllm_env = {**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": threads_bind(args.threads)}
     report = build_report(args, hf_config, config, mean_context, infos, records,
                           copy_bandwidth(), gemm_throughput(dtype))
     if peers:
-        report["vllm"] = {"version": peer_version(), "env": vllm_env,
+        report["vllm"] = {**peer_info(args.threads),
                           "max_loras": next(iter(peers.values())).max_loras}
     report.update(skipped=skipped, adapter_build_s=build_s, peft_load_s=peft_load_s,
                   peft_adapters_loaded=len(peft_used), total_s=time.perf_counter() - t_start)
@@ -420,9 +424,8 @@ def start_peers(args: argparse.Namespace, model_path: Path, requests: Sequence[B
                 traces: dict[int, list[int]]) -> dict[str, VllmPeer]:
     """vLLM's LoRA and base engines, each in its own driver process, where asked for. Its LoRA
     slots hold every distinct adapter of the largest trace (no swapping during a run)."""
-    kwargs = dict(max_num_seqs=len(requests), max_num_batched_tokens=args.max_num_batched_tokens,
-                  max_model_len=-(-(args.prompt_len[1] + args.max_tokens) // 32) * 32,
-                  threads=args.threads)
+    kwargs = engine_kwargs(len(requests), args.prompt_len[1] + args.max_tokens,
+                           args.max_num_batched_tokens, args.threads)
     peers = {}
     if "vllm" in args.systems:
         distinct = max(len(set(t)) for t in traces.values())

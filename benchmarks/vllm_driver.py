@@ -1,5 +1,6 @@
 """vLLM as a peer system: a driver the peer venv (``.venv-vllm``, ``make bench-peers``) runs as a
-subprocess of ``lora_bench.py``, so that vLLM's pins never touch the project's venv.
+subprocess of the benchmarks (``lora_bench.py``, ``engine_bench.py``), so that vLLM's pins never
+touch the project's venv.
 
 It imports nothing of loraplex: it loads the model folder the benchmark wrote (the same
 safetensors loraplex reads) once, then answers one JSON request per stdin line with one JSON

@@ -1,5 +1,6 @@
-"""vLLM as a peer system of the benchmarks: ``VllmPeer`` starts ``vllm_driver.py`` in the peer
-venv (``make bench-peers`` makes ``.venv-vllm``) and runs traces through it.
+"""vLLM as a peer system of the benchmarks (``lora_bench.py``, ``engine_bench.py``): ``VllmPeer``
+starts ``vllm_driver.py`` in the peer venv (``make bench-peers`` makes ``.venv-vllm``; the
+``PEER_VENV`` variable names another) and runs traces through it.
 
 The driver stays up between runs (loading vLLM costs tens of seconds), so its runs interleave
 with loraplex's in the benchmark's loop; each run is one ``LLM.generate`` with every request.
@@ -9,11 +10,13 @@ is not timed.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from common import EngineRun
@@ -42,12 +45,39 @@ def peer_python() -> Path:
     """The peer venv's python; a clear error where ``make bench-peers`` has not run."""
     python = PEER_VENV / "bin" / "python"
     if not (PEER_VENV / ".installed").exists():
-        raise FileNotFoundError(f"{PEER_VENV}: no vLLM peer venv; run `make bench-peers`")
+        raise FileNotFoundError(f"{PEER_VENV}: no vLLM peer venv; run `make bench-peers` "
+                                "(or set PEER_VENV to one)")
     return python
+
+
+def check_peer_venv(parser: argparse.ArgumentParser, systems: Sequence[str]) -> None:
+    """Where ``systems`` asks for a vLLM system and the peer venv is missing, ``parser.error``
+    (exit status 2) naming ``make bench-peers``: before anything is built or measured."""
+    asked = [s for s in systems if s.startswith("vllm")]
+    if asked:
+        try:
+            peer_python()
+        except FileNotFoundError as e:
+            parser.error(f"--systems {' '.join(asked)}: {e}")
 
 
 def peer_version() -> str:
     return (PEER_VENV / ".installed").read_text().strip()
+
+
+def peer_info(threads: int) -> dict:
+    """What the report says about the peer: vLLM's and torch's versions and its environment."""
+    return {"version": peer_version(),
+            "env": {**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": threads_bind(threads)}}
+
+
+def engine_kwargs(num_requests: int, max_len: int, max_num_batched_tokens: int,
+                  threads: int) -> dict:
+    """``VllmPeer``'s engine settings for a benchmark that sends ``num_requests`` at once, each
+    of up to ``max_len`` tokens (prompt and output): one batch holds every request, the token
+    budget is loraplex's, and the model length is rounded up to the KV block (32)."""
+    return dict(max_num_seqs=num_requests, max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=-(-max_len // 32) * 32, threads=threads)
 
 
 class VllmPeer:
@@ -103,6 +133,14 @@ class VllmPeer:
         out = self._read()
         tokens = {r.request_id: t for r, t in zip(requests, out["token_ids"])}
         return EngineRun(tokens, out["wall_s"]), out["cpu_s"]
+
+    def warm_up(self, requests: Sequence[BaselineRequest],
+                adapters: Sequence[Path] | None = None) -> None:
+        """Two tokens through the first eight requests (untimed): vLLM's first call pays for
+        what a benchmark should not time."""
+        warm = [replace(r, request_id=f"warm-{r.request_id}", max_tokens=2)
+                for r in requests[:8]]
+        self.run(warm, adapters[:len(warm)] if adapters is not None else None)
 
     def close(self) -> None:
         if self.proc.stdin is not None:
