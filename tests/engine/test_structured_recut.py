@@ -185,3 +185,23 @@ def test_a_recut_the_grammar_refuses_changes_nothing(setup, merging_model):  # n
     engine.abort("r")
     engine.step()
     assert_pages_idle(engine)
+
+
+def test_recut_with_speculation(setup, merging_model):  # noqa: F811
+    """Speculation on: re-cuts beside drafts and verifications keep outputs valid (a verified
+    draft's last token, the target's own, is not computed yet and may be re-cut; the n-gram
+    index never saw it: it indexes at proposal time, before the step appends)."""
+    _, adapters = setup
+    engine = make_engine(merging_model, adapters, jump_forward="string",
+                         speculative_method="ngram", speculative_cost_gate=False)
+    requests, checks = constraint_mix(adapters, 0.0, seed0=21)
+    boundary = boundary_requests(adapters, 0.0)
+    checks.update({rid: params.structured for rid, _, params, _ in boundary})
+    results = run_streamed(engine, requests + boundary)
+    for rid, spec in checks.items():
+        _, text, out = results[rid, 0]
+        assert out.finish_reason == "stop", (rid, out.error, text)
+        check_valid(spec, text)
+    assert engine.grammars.num_retokenized > 0
+    assert engine.stats().spec.num_proposed_tokens > 0
+    assert_pages_idle(engine)
