@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 import xgrammar as xgr
 
@@ -71,13 +72,16 @@ def run_streamed(engine, requests, deadline_s=300):
     return results
 
 
-def test_string_mode_recuts_the_sampled_token_with_the_forced_string(setup, merging_model):  # noqa: F811
+@pytest.mark.parametrize("stop", [(), ("zz!",)])
+def test_string_mode_recuts_the_sampled_token_with_the_forced_string(setup, merging_model,  # noqa: F811
+                                                                     stop):
     _, adapters = setup
     engine = make_engine(merging_model, adapters, jump_forward="string")
     # The bias makes the model sample `"` alone (not the merged `",`); the grammar then
-    # forces `, "key": "z"`, which cut alone starts with `,`.
+    # forces `, "key": "z"`, which cut alone starts with `,`. A stop string (never matched)
+    # makes the detokenizer hold text back: the take-back restores what it held too.
     params = SamplingParams(max_tokens=40, structured=StructuredOutput("regex", BOUNDARY_REGEX),
-                            logit_bias=((QUOTE, 100.0),))
+                            logit_bias=((QUOTE, 100.0),), stop=stop)
     results = run_streamed(engine, [("r", "prompt", params, adapters[0].digest)])
     tokens, text, out = results["r", 0]
     assert (text, out.finish_reason) == (BOUNDARY_TEXT, "stop"), out.error
