@@ -25,7 +25,9 @@ and the sampler's masked ``sample`` against an unmasked one, on the model's voca
 Exit status 1 when exact mode's tokens differ or an output does not stop and validate.
 
 Usage: ``python benchmarks/structured_bench.py --model smollm2 --out bench-out`` (default
-``demo``, the random byte-level model; ``--model PATH`` for a Hugging Face folder).
+``demo``, the random byte-level model; ``--model PATH`` for a Hugging Face folder;
+``--modes constrained,string`` for a shorter run of some modes). String mode also reports how
+many boundaries it re-cut with the last sampled token.
 """
 
 from __future__ import annotations
@@ -152,6 +154,7 @@ def run(engine: Engine, trace: list[tuple], params: dict[str, SamplingParams]) -
     """One pass of the trace, all requests admitted at once."""
     steps_before = engine.stats().num_steps
     jumped_before = engine.grammars.num_jumped_tokens if engine.grammars is not None else 0
+    recut_before = engine.grammars.num_retokenized if engine.grammars is not None else 0
     start, cpu_start = time.perf_counter(), time.process_time()
     sampled: dict[str, float] = {}  # after the step that prefilled the prompt
     done: dict[str, float] = {}
@@ -180,11 +183,13 @@ def run(engine: Engine, trace: list[tuple], params: dict[str, SamplingParams]) -
     num_tokens = sum(len(t) for t in tokens.values())
     jumped = (engine.grammars.num_jumped_tokens - jumped_before
               if engine.grammars is not None else 0)
+    recut = engine.grammars.num_retokenized - recut_before if engine.grammars is not None else 0
     return {"seconds": elapsed, "cpu_seconds": cpu, "output_tokens": num_tokens,
             "tokens_per_s": num_tokens / elapsed, "tokens_per_cpu_s": num_tokens / cpu,
             "requests_per_s": len(trace) / elapsed, "requests_per_cpu_s": len(trace) / cpu,
             "tpot_p50_ms": 1e3 * statistics.median(tpot),
             "latency_p50_s": statistics.median(latency), "jumped_tokens": jumped,
+            "retokenized": recut,
             "steps": engine.stats().num_steps - steps_before, "tokens": tokens,
             "reasons": reasons}
 
@@ -274,9 +279,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20, help="timings of each mask cost")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved runs of each mode")
     parser.add_argument("--skip-mask-cost", action="store_true")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="comma-separated runs (constrained always runs: the others are "
+                             "compared with it, and free takes its token counts)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    modes = [m for m in MODES if m in {*args.modes.split(","), "constrained"}]
+    if unknown := set(args.modes.split(",")) - set(MODES):
+        parser.error(f"--modes: {sorted(unknown)} not among {MODES}")
     with tempfile.TemporaryDirectory() as tmp:
         adapters = make_adapters(args.model, args.num_adapters, Path(tmp))
 
@@ -295,37 +306,39 @@ def main(argv: list[str] | None = None) -> int:
                                    scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs)),
                       adapter_source=Adapters(adapters))
 
-    engines = {"constrained": engine("off"), "exact": engine("exact"),
-               "string": engine("string")}
+    jump = {"constrained": "off", "exact": "exact", "string": "string"}
+    engines = {m: engine(jump[m]) for m in modes if m in jump}
     engines["free"] = engines["constrained"]
-    trace = make_trace(args.num_requests, adapters, engines["exact"], seed=1)
+    trace = make_trace(args.num_requests, adapters, engines["constrained"], seed=1)
     spec = StructuredOutput("json_schema", json.dumps(SCHEMA))
-    for name in ("constrained", "exact", "string"):
+    constrained_modes = [m for m in modes if m in jump]
+    for name in constrained_modes:
         warm(engines[name], spec)
     constrained = {rid: SamplingParams(max_tokens=args.max_tokens, structured=spec)
                    for rid, *_ in trace}
-    runs: dict[str, list[dict]] = {m: [] for m in MODES}
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
     free_params: dict[str, SamplingParams] = {}
     for _ in range(args.rounds):  # interleaved: the machine is shared
-        for mode in MODES:
+        for mode in modes:
             if mode == "free":
                 if not free_params:  # as many tokens as the constrained run: measured first
                     continue
                 runs[mode].append(run(engines[mode], trace, free_params))
                 continue
             runs[mode].append(run(engines[mode], trace, constrained))
-            if mode == "constrained" and not free_params:
+            if mode == "constrained" and not free_params and "free" in modes:
                 free_params = {rid: SamplingParams(max_tokens=max(1, len(t)), ignore_eos=True)
                                for rid, t in runs[mode][0]["tokens"].items()}
                 runs["free"].append(run(engines["free"], trace, free_params))
     # Each mode's median run by CPU time (the steadier clock on a shared machine).
     rows = {m: sorted(rs, key=lambda r: r["cpu_seconds"])[len(rs) // 2]
             for m, rs in runs.items()}
-    costs = [] if args.skip_mask_cost else [mask_cost(engines["exact"], b, args.repeats)
+    costs = [] if args.skip_mask_cost else [mask_cost(engines["constrained"], b, args.repeats)
                                             for b in (1, 16, 64)]
-    plain, jumped = rows["constrained"], rows["exact"]
+    plain = rows["constrained"]
+    jumped = rows.get("exact", plain)
     same = sum(plain["tokens"][r] == jumped["tokens"][r] for r, *_ in trace)
-    checks = {m: validate(rows[m], engines[m]) for m in ("constrained", "exact", "string")}
+    checks = {m: validate(rows[m], engines[m]) for m in constrained_modes}
     prompt_lens = sorted(len(p) for _, p, _ in trace)
     print(f"model {args.model}, {args.num_requests} requests (prompts {prompt_lens[0]}-"
           f"{prompt_lens[-1]} tokens), {args.num_adapters} adapters (Zipf), max_tokens "
@@ -342,10 +355,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['output_tokens']:>7}{r['jumped_tokens'] / r['output_tokens']:>8.1%}"
               f"{stop:>5}{valid if name in checks else '-':>6}")
     for key in ("tokens_per_s", "tokens_per_cpu_s", "requests_per_s", "requests_per_cpu_s"):
-        print(f"{key}: constrained / free {plain[key] / rows['free'][key]:.3f}, exact / "
-              f"constrained {jumped[key] / plain[key]:.3f}, string / constrained "
-              f"{rows['string'][key] / plain[key]:.3f}")
-    print(f"exact tokens equal to constrained: {same}/{len(trace)}")
+        ratios = [f"{m} / constrained {rows[m][key] / plain[key]:.3f}" for m in rows
+                  if m != "constrained"]
+        print(f"{key}: " + ", ".join(ratios))
+    if "exact" in rows:
+        print(f"exact tokens equal to constrained: {same}/{len(trace)}")
+    if "string" in rows:
+        print(f"string mode: {rows['string']['retokenized']} boundaries re-cut with the last "
+              "sampled token")
     if costs:
         print(f"{'batch':>6}{'fill ms':>10}{'sample ms':>11}{'masked ms':>11}{'apply ms':>10}")
     for c in costs:

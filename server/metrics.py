@@ -177,6 +177,9 @@ class _EngineCollector(Collector):
             ("loraplex_worker_jump_forward_tokens",
              "Output tokens appended by jump-forward (no model step each)",
              s.jump_forward_tokens),
+            ("loraplex_worker_jump_forward_retokenized",
+             "String jump-forward boundaries re-cut with the last sampled token",
+             s.jump_forward_retokenized),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

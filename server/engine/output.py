@@ -6,7 +6,8 @@ those that stop without looking at text (a stop token, EOS, length, a complete g
 outside the engine's core loop, each request's tokens are detokenized incrementally (holding
 back any tail that could still become a stop string), a stop string ends the request, exact
 jump-forward appends the tokens a grammar forces (through the scheduler's ``accept``, as if
-they had been sampled), and the step's outputs are built: streaming deltas for running
+they had been sampled; string mode may first take back this step's last, unsent token to
+re-cut it with the forced string), and the step's outputs are built: streaming deltas for running
 requests, a final output (finish reason, usage, error) for finished ones, each reported once.
 """
 
@@ -128,19 +129,26 @@ class OutputProcessor:
         choice, and a sampled row's generator draws once per forced token as it would have
         (seeded outputs stay the same). Requests asking for logprobs are not jumped (a forced
         token's logprob needs the model's logits). ``jump_forward = string`` first appends
-        the string the grammar forces, as the tokenizer cuts it (valid, not identical)."""
+        the string the grammar forces, as the tokenizer cuts it (valid, not identical),
+        re-cut together with the last token where that one is not sent yet (``_recut``)."""
         grammar, service = req.grammar, self.grammars
         if (grammar is None or service is None or self.jump_forward == "off"
                 or req.params.logprobs is not None):
             return out
         while not out.finished:
             if self.jump_forward == "string":
-                tokens = service.tokenize_forced(grammar.forced_string(req))
+                forced = grammar.forced_string(req)
+                recut = self._recut(req, forced, out) if forced else None
+                if recut is not None:
+                    out, tokens = recut
+                else:
+                    tokens = service.tokenize_forced(forced)
                 if tokens:
-                    for token in tokens:
+                    for i, token in enumerate(tokens):
                         if out.finished:
                             break
-                        service.num_jumped_tokens += 1
+                        if recut is None or i > 0:  # a re-cut's first replaces a token
+                            service.num_jumped_tokens += 1
                         out = self._append_forced(req, token, out)
                     continue
             forced = grammar.forced_token(req, self.vocab_size)
@@ -151,6 +159,39 @@ class OutputProcessor:
             service.num_jumped_tokens += 1
             out = self._append_forced(req, forced, out)
         return out
+
+    def _recut(self, req: Request, forced: str, out: RequestOutput
+               ) -> tuple[RequestOutput, list[int]] | None:
+        """SGLang's boundary for string jump-forward: take back ``req``'s last token and cut
+        its text together with ``forced`` as the tokenizer would (``"`` + ``, "k": `` ->
+        ``",`` `` "`` ...). Returns ``out`` without that token and its text, and the tokens
+        to append in its place; None when the cut keeps the token, or the grammar refuses the
+        re-cut: the caller tokenizes ``forced`` alone, as before.
+
+        Invariant: only a token of ``out`` (this step's, not reported: the client never sees
+        a token taken back) whose KV is not computed yet (a sampled or jumped token is
+        computed next step), so pages, ``num_computed_tokens`` and the prefix cache (full
+        computed pages only) are untouched; only the token list changes. Not for requests
+        asking for logprobs (never jumped). The sampled row's generator draw is not undone:
+        string mode keeps outputs valid, not identical."""
+        grammar, service = req.grammar, self.grammars
+        detok = self._detok.get(req.request_id)
+        if (grammar is None or service is None or detok is None or not out.new_token_ids
+                or not req.output_token_ids or req.num_computed_tokens >= req.num_tokens
+                or out.new_token_ids[-1] != req.output_token_ids[-1]):
+            return None
+        taken_text = detok.last_emitted()
+        if taken_text is None or not out.new_text.endswith(taken_text):
+            return None
+        tokens = service.retokenize(req.output_token_ids[-1], forced)
+        if tokens is None or not grammar.take_back(req, tokens):
+            return None
+        req.output_token_ids.pop()
+        detok.take_back()
+        service.num_retokenized += 1
+        text = out.new_text[:len(out.new_text) - len(taken_text)]
+        return replace(out, new_token_ids=out.new_token_ids[:-1], new_text=text,
+                       num_output_tokens=req.num_output_tokens), tokens
 
     def jump_at_start(self, waiting: Iterable[Request]) -> None:
         """Jump-forward before a constrained request's first model call (n == 1): what its

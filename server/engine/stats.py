@@ -41,6 +41,7 @@ class EngineStats:
     grammar_compile_failures: int = 0
     grammar_cache_hits: int = 0
     jump_forward_tokens: int = 0  # output tokens appended by jump-forward, no model step
+    jump_forward_retokenized: int = 0  # string jump-forward boundaries re-cut (last token too)
     spec: SpecStats = SpecStats()  # speculative decoding: proposed, accepted, emitted tokens
 
 
@@ -70,7 +71,8 @@ def collect_stats(scheduler: Scheduler, pager: Pager, num_steps: int, step_timer
         grammar_fields = dict(grammar_compiles=g.num_compiles,
                               grammar_compile_failures=g.num_compile_failures,
                               grammar_cache_hits=g.cache.hits,
-                              jump_forward_tokens=g.num_jumped_tokens)
+                              jump_forward_tokens=g.num_jumped_tokens,
+                              jump_forward_retokenized=g.num_retokenized)
     return EngineStats(scheduler.num_waiting, scheduler.num_running,
                        scheduler.num_preemptions, pager.stats(), num_steps,
                        **adapter_fields, **prefix_fields, **grammar_fields,

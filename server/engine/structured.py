@@ -23,9 +23,12 @@ A constrained request goes through four places:
    token what decoding one step per token gives, since a mask of one token leaves the
    sampler no choice. String mode
    (``jump_forward = string``) first appends the whole string the grammar forces
-   (``GrammarState.forced_string``), tokenized alone (``GrammarService.tokenize_forced``):
-   it jumps where a BPE vocabulary offers several first tokens (``{"`` against ``{``), and its
-   tokens may differ from the model's own choice, so it is checked for validity, not identity.
+   (``GrammarState.forced_string``): where the last output token has not been sent yet, it is
+   taken back and re-cut with the forced string as the tokenizer cuts their text together
+   (``GrammarService.retokenize``, ``GrammarState.take_back``: SGLang's boundary), else the
+   string is tokenized alone (``GrammarService.tokenize_forced``). It jumps where a BPE
+   vocabulary offers several first tokens (``{"`` against ``{``), and its tokens may differ
+   from the model's own choice, so it is checked for validity, not identity.
 
 The matcher follows ``output_token_ids``: after a preemption (recompute) the request's tokens
 are replayed through a fresh matcher, so a request's grammar state never depends on where its
@@ -107,6 +110,8 @@ class GrammarState:
         self.compile_started: float | None = None  # set by the compile thread
         self.utf8: Utf8Filter | None = None  # set with ``compiled``
         self._utf8_state = START
+        # The UTF-8 state before the last output token (None: unknown, or taken back already).
+        self._utf8_prev: int | None = None
         self._matcher: Any = None
         self._num_preemptions = 0
         self._start_taken = False
@@ -130,11 +135,12 @@ class GrammarState:
         if self._matcher is None or self._num_preemptions != req.num_preemptions:
             # Recomputed (or first use): replay the request's tokens through a fresh matcher.
             matcher = xgr.GrammarMatcher(self.compiled)
-            self._utf8_state = START
+            self._utf8_state, self._utf8_prev = START, None
             for token in req.output_token_ids:
                 if not matcher.accept_token(token):
                     raise ValueError(f"structured.{self.spec.kind}: replaying token {token} "
                                      "was refused by the grammar")
+                self._utf8_prev = self._utf8_state
                 self._advance_utf8(token)
             self._matcher = matcher
             self._num_preemptions = req.num_preemptions
@@ -181,8 +187,38 @@ class GrammarState:
             raise ValueError(f"structured.{self.spec.kind}: token {token} was refused by the "
                              "grammar")
         else:
+            self._utf8_prev = self._utf8_state
             self._advance_utf8(token)
         return bool(self._matcher.is_terminated())
+
+    def take_back(self, req: Request, tokens: Sequence[int]) -> bool:
+        """String jump-forward's boundary: whether the grammar accepts ``tokens`` in place of
+        ``req``'s last output token. If so, the matcher and the UTF-8 state are rolled back
+        to before that token (the caller removes it from the outputs and appends ``tokens``
+        through ``accept``), once per accepted token; if not, nothing changes.
+
+        Refused too when the last token did not start at a character boundary (its
+        re-tokenization would have to reach further back)."""
+        matcher = self._matcher_for(req)
+        prev = self._utf8_prev
+        if prev is None or prev != START or not req.output_token_ids or matcher.is_terminated():
+            return False
+        last = req.output_token_ids[-1]
+        matcher.rollback(1)
+        taken = 0
+        for token in tokens:
+            if matcher.is_terminated() or not matcher.accept_token(token):
+                break
+            taken += 1
+        if taken:
+            matcher.rollback(taken)
+        if taken < len(tokens):
+            if not matcher.accept_token(last):  # as it was; it accepted ``last`` before
+                raise ValueError(f"structured.{self.spec.kind}: token {last} was refused "
+                                 "when restored")
+            return False
+        self._utf8_state, self._utf8_prev = prev, None
+        return True
 
     def _advance_utf8(self, token: int) -> None:
         if self.utf8 is not None:
@@ -216,6 +252,7 @@ class GrammarState:
         if (self._matcher is not None and self._num_preemptions == parent.num_preemptions
                 and child.output_token_ids == parent.output_token_ids):
             state._matcher, state._utf8_state = self._matcher.fork(), self._utf8_state
+            state._utf8_prev = self._utf8_prev
             state._num_preemptions = child.num_preemptions
         # Otherwise the child's first use replays its own outputs through a fresh matcher.
         return state
@@ -281,6 +318,7 @@ class GrammarService:
         self.num_compiles = 0
         self.num_compile_failures = 0
         self.num_jumped_tokens = 0
+        self.num_retokenized = 0  # string jump-forward boundaries re-cut with the last token
 
     def submit(self, spec: StructuredOutput) -> GrammarState:
         """A request's grammar state: ready now on a cache hit, else compiling (any thread)."""
@@ -371,6 +409,23 @@ class GrammarService:
         if not ids or any(not 0 <= t < len(vocab) or t in self.utf8.special for t in ids):
             return None
         return ids if b"".join(vocab[t] for t in ids) == text.encode() else None
+
+    def retokenize(self, last: int, forced: str) -> list[int] | None:
+        """String jump-forward at the boundary, as SGLang does: the text of ``last`` (the
+        request's last output token) and ``forced`` as the tokenizer cuts them together
+        (``"`` then ``, "key": "`` becomes ``",`` `` "`` ...), when that cut does not keep
+        ``last`` whole. None when it does, or when ``last`` is no text of its own (a special
+        token, part of a character): the caller then cuts ``forced`` alone."""
+        utf8 = self.utf8
+        if (utf8 is None or not forced or not 0 <= last < len(utf8.token_bytes)
+                or last in utf8.special or last in utf8.stop):
+            return None
+        try:
+            head = utf8.token_bytes[last].decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+        ids = self.tokenize_forced(head + forced) if head else None
+        return ids if ids is not None and ids[0] != last else None
 
     def bitmask(self, requests: Sequence[Request]
                 ) -> tuple[torch.Tensor | None, dict[int, str]]:

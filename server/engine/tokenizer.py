@@ -123,11 +123,15 @@ class Detokenizer:
         self._read_offset = len(self._ids)
         self.text = ""  # all output text so far (truncated at a stop string)
         self._emitted = 0
+        # The state before the last ``add`` (ids, offsets, text, emitted), for ``take_back``.
+        self._before_last: tuple[int, int, int, str, int] | None = None
 
     def add(self, token_id: int, finished: bool) -> tuple[str, bool]:
         """Append one token. Returns (text now safe to emit, whether a stop string matched);
         without a tokenizer the text is always empty; stop strings match only from the
         request's ``min_tokens``-th token on."""
+        self._before_last = (len(self._ids), self._prefix_offset, self._read_offset, self.text,
+                             self._emitted)
         self._ids.append(token_id)
         if self.tokenizer is None:
             return "", False
@@ -145,6 +149,32 @@ class Detokenizer:
                     self.text = self.text[:at]
                     return self._flush(), True
         return (self._flush() if finished else self._emit()), False
+
+    def last_emitted(self) -> str | None:
+        """The text the last ``add`` returned (None: nothing to take back)."""
+        if self._before_last is None:
+            return None
+        return self.text[self._before_last[4]:self._emitted]
+
+    def take_back(self) -> str:
+        """Undo the last ``add`` (once): its token leaves and the state is as before it, so
+        the next ``add`` decodes as if it had never come (string jump-forward re-cuts it with
+        the forced string). Only for a token whose text the client has not been sent.
+
+        Returns:
+            The text that ``add`` returned, which the caller removes from its unsent output.
+
+        Raises:
+            ValueError: no ``add`` to undo (none yet, or it was taken back already).
+        """
+        taken = self.last_emitted()
+        if taken is None or self._before_last is None:
+            raise ValueError("detokenizer: no token to take back")
+        num_ids, self._prefix_offset, self._read_offset, self.text, self._emitted = (
+            self._before_last)
+        del self._ids[num_ids:]
+        self._before_last = None
+        return taken
 
     def finish(self) -> str:
         """All held-back text, at the end of the request."""

@@ -96,3 +96,34 @@ def test_nested_schema_on_the_real_model(smollm2_setup, jump_forward):
     greedy = json.loads(outs[0].text)
     assert greedy["name"] == "Maria Keller", outs[0].text  # the model read the prompt
     assert engine.grammars is not None and engine.grammars.num_jumped_tokens > 0
+
+
+def test_string_mode_recuts_the_boundary_on_the_real_vocabulary(smollm2_setup):
+    """SGLang's boundary on SmolLM2's BPE: the model, pushed to close with `"` alone, is
+    followed by the forced `, "key": "z"`; the `"` is taken back and the text re-cut as the
+    tokenizer cuts it (`",` merged), and the streamed tokens are those final ones."""
+    path, adapter = smollm2_setup
+    engine = Engine(EngineConfig(model=path, num_pages=256, max_rank=16, jump_forward="string",
+                                 scheduler=SchedulerConfig(page_size=16)),
+                    adapter_source=LoadedSource([adapter]))
+    tokenizer = engine.tokenizer.for_this_thread()
+    quote = tokenizer.encode('"', add_special_tokens=False)
+    boundary = '", "key": "z"'
+    recut = tokenizer.encode(boundary, add_special_tokens=False)
+    alone = quote + tokenizer.encode(boundary[1:], add_special_tokens=False)
+    assert len(quote) == 1 and recut != alone  # `",` is one token of this vocabulary
+    spec = StructuredOutput("regex", r'[ab]{0,3}", "key": "z"')
+    params = SamplingParams(max_tokens=40, structured=spec, logit_bias=((quote[0], 100.0),))
+    engine.add_request("r", "Write the record.", params, adapter_digest=adapter.digest)
+    req = engine.sequences("r")[0]
+    tokens, text, final = [], "", None
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            text += out.new_text
+            final = out if out.finished else final
+    assert final is not None and final.finish_reason == "stop", final
+    assert text == boundary
+    assert tokens == req.output_token_ids
+    assert tokens[:len(recut)] == recut and len(tokens) <= len(recut) + 1  # then a stop token
+    assert engine.grammars is not None and engine.grammars.num_retokenized == 1
