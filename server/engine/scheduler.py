@@ -322,6 +322,13 @@ class Scheduler:
             i += 1
         for req, _ in list(held.values()):
             unhold(req)  # the budget ran out before them
+        if self.speculator is not None:
+            # A draft is verified in the step it was made for, or dropped: a running request
+            # the budget never reached (or one preempted) must not carry it into a later step.
+            chosen = {id(r) for r in scheduled}
+            for req in (*self.running, *preempted):
+                if id(req) not in chosen:
+                    req.draft_token_ids = []
 
         passed: set[str] = set()  # waiting requests passed over this step, keeping their place
         cap = self.config.max_adapters_per_step

@@ -173,6 +173,17 @@ def test_the_budget_cuts_a_draft():
     assert req.draft_token_ids == [5, 6]  # 1 + 2: what the budget left of 5, 6, 7, 9
 
 
+def test_a_request_the_budget_never_reaches_keeps_no_draft():
+    sched = _scheduler(num_pages=16)
+    a, b = _prefill(sched, [LOOP, LOOP])
+    sched.config = SchedulerConfig(page_size=4, max_num_batched_tokens=5)
+    batch = sched.schedule()
+    assert batch.requests == [a] and batch.num_new_tokens == [5]  # a's 1 + 4 fill the budget
+    assert b.draft_token_ids == []  # b's draft was for this step, which it is not in
+    sched.update(batch, [Accepted(a, [5, 6, 7, 9, 5], [None] * 5)])
+    assert b.num_computed_tokens == b.num_tokens - 1  # b still decodes from where it was
+
+
 def test_update_keeps_the_accepted_positions_and_rolls_back_the_rest():
     sched = _scheduler(num_pages=16)
     (req,) = _prefill(sched, [LOOP])
