@@ -3,12 +3,19 @@ on a copy-heavy trace (the prompt holds a passage the answer repeats or edits) a
 free-generation trace, at several concurrencies, with adapters drawn Zipf.
 
     .venv/bin/python benchmarks/spec_bench.py --model smollm2 --out /tmp/spec
+    .venv/bin/python benchmarks/spec_bench.py --model random --out /tmp/spec-random
+
+``--model random`` is the engine benchmarks' random Llama (hidden 1024 x 8 layers,
+``common.BENCH_HF_CONFIG``, byte tokenizer): random weights never copy a prompt, so its one
+trace (``ids``: random token-id prompts, EOS ignored) measures only acceptance and the cost
+of speculating (decode tokens per CPU second on / off).
 
 For each trace and concurrency (closed loop: that many requests in flight) it runs the same
 requests with speculation off and on, interleaved, and reports: acceptance rate, tokens per
 request-step (emitted tokens over decode rows), decode tokens/s (and per CPU second: the
 machine is shared) over decode-only steps, TPOT p50/p99, and whether the greedy tokens are
-the same. Prints a table and writes JSON.
+the same. Prints a table and writes JSON; the report carries the commit and refuses a tree
+with uncommitted changes unless ``--allow-dirty``.
 """
 
 from __future__ import annotations
@@ -18,7 +25,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,11 +34,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
+from common import MODEL_CHOICES, bench_model, git_commit  # noqa: E402
 
 from loraplex.adapter_store.format import load_adapter  # noqa: E402
+from loraplex.server import env  # noqa: E402
 from loraplex.server.commands import write_demo_adapter  # noqa: E402
 from loraplex.server.config import EngineConfig, SchedulerConfig  # noqa: E402
-from loraplex.server.engine.engine import Engine, resolve_model_path  # noqa: E402
+from loraplex.server.engine.engine import Engine  # noqa: E402
 from loraplex.server.engine.models.config import ModelConfig  # noqa: E402
 from loraplex.server.params import ChatMessage, ChatMessages, SamplingParams  # noqa: E402
 
@@ -71,33 +79,42 @@ class Adapters:
         return self.by_digest[digest]
 
 
-def make_adapters(model: str, num: int, root: Path, std: float) -> list:
-    config = ModelConfig.from_pretrained(resolve_model_path(model))
-    return [load_adapter(write_demo_adapter(root / f"a{i}", resolve_model_path(model),
+def make_adapters(model_path: Path, num: int, root: Path, std: float) -> list:
+    config = ModelConfig.from_pretrained(str(model_path))
+    return [load_adapter(write_demo_adapter(root / f"a{i}", str(model_path),
                                             rank=(4, 8, 16)[i % 3], seed=i, std=std), config)
             for i in range(num)]
 
 
-def make_trace(kind: str, num: int, adapters: list, seed: int) -> list[tuple]:
-    """``(request id, chat messages, adapter digest or None)``: adapters Zipf(1) with the base
-    model as one more choice."""
+def make_trace(kind: str, num: int, adapters: list, seed: int, vocab: int) -> list[tuple]:
+    """``(request id, prompt, adapter digest or None)``: adapters Zipf(1) with the base model
+    as one more choice; the prompt is chat messages (``copy``, ``free``) or 64-128 random
+    token ids below ``vocab`` (``ids``)."""
     rng = random.Random(seed)
     digests = [a.digest for a in adapters] + [None]
     weights = [1.0 / (k + 1) for k in range(len(digests))]
     trace = []
     for i in range(num):
-        if kind == "copy":
-            passage = " ".join(rng.sample(SENTENCES, rng.randint(3, 5)))
-            text = f"{rng.choice(COPY_TASKS)}\n\n{passage}"
+        prompt: ChatMessages | list[int]
+        if kind == "ids":
+            prompt = [rng.randrange(vocab) for _ in range(rng.randint(64, 128))]
         else:
-            text = f"Write a short story about {rng.choice(TOPICS)}."
-        trace.append((f"{kind}{i}", ChatMessages((ChatMessage("user", text),)),
-                      rng.choices(digests, weights)[0]))
+            if kind == "copy":
+                passage = " ".join(rng.sample(SENTENCES, rng.randint(3, 5)))
+                text = f"{rng.choice(COPY_TASKS)}\n\n{passage}"
+            elif kind == "free":
+                text = f"Write a short story about {rng.choice(TOPICS)}."
+            else:
+                raise ValueError(f"--traces: {kind!r} is not one of copy, free, ids")
+            prompt = ChatMessages((ChatMessage("user", text),))
+        trace.append((f"{kind}{i}", prompt, rng.choices(digests, weights)[0]))
     return trace
 
 
-def run(engine: Engine, trace: list[tuple], concurrency: int, max_tokens: int) -> dict:
-    """The trace, closed loop at ``concurrency``; greedy, EOS kept (answers end naturally)."""
+def run(engine: Engine, trace: list[tuple], concurrency: int, max_tokens: int,
+        ignore_eos: bool = False) -> dict:
+    """The trace, closed loop at ``concurrency``; greedy, EOS kept (answers end naturally)
+    unless ``ignore_eos`` (the random model: every request runs ``max_tokens``)."""
     sched = engine.scheduler
     spec_before = engine.stats().spec
     pending = list(trace)
@@ -110,8 +127,9 @@ def run(engine: Engine, trace: list[tuple], concurrency: int, max_tokens: int) -
     in_flight = 0
     while pending or engine.has_unfinished():
         while pending and in_flight < concurrency:
-            rid, messages, digest = pending.pop(0)
-            engine.add_request(rid, messages, SamplingParams(max_tokens=max_tokens),
+            rid, prompt, digest = pending.pop(0)
+            engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens,
+                                                           ignore_eos=ignore_eos),
                                adapter_digest=digest)
             tokens[rid] = []
             in_flight += 1
@@ -161,11 +179,17 @@ def run(engine: Engine, trace: list[tuple], concurrency: int, max_tokens: int) -
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--model", default="smollm2", choices=MODEL_CHOICES,
+                        help="smollm2: the real SmolLM2-135M-Instruct; random: hidden 1024 x 8 "
+                             "layers, random weights (acceptance and overhead only)")
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="where the random model is built once (default: the data cache)")
     parser.add_argument("--concurrency", default="1,4,16,64")
     parser.add_argument("--requests", default="2,4,16,64",
                         help="requests per concurrency (same order)")
-    parser.add_argument("--traces", default="copy,free")
+    parser.add_argument("--traces", default=None,
+                        help="copy, free (chat prompts) and ids (random token ids); default "
+                             "copy,free on smollm2, ids on random")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--num-adapters", type=int, default=64)
     parser.add_argument("--adapter-std", type=float, default=0.02,
@@ -175,31 +199,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-pages", type=int, default=2048,
                         help="per engine (two engines: keep both pools in memory)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--allow-dirty", action="store_true",
+                        help="report from a tree with uncommitted changes (the commit says -dirty)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    commit = git_commit()
+    if commit.endswith("-dirty") and not args.allow_dirty:
+        raise SystemExit(f"commit {commit}: uncommitted changes; commit them (numbers are "
+                         "quoted from a committed tree) or pass --allow-dirty")
+    traces = args.traces or ("ids" if args.model == "random" else "copy,free")
     torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()
     concurrency = [int(c) for c in args.concurrency.split(",")]
     num_requests = [int(n) for n in args.requests.split(",")]
+    model_path, hf_config = bench_model(args.model, args.cache_dir or env.cache_dir() / "bench")
     with tempfile.TemporaryDirectory() as tmp:
-        adapters = make_adapters(args.model, args.num_adapters, Path(tmp), args.adapter_std)
+        adapters = make_adapters(model_path, args.num_adapters, Path(tmp), args.adapter_std)
 
     def engine(method: str) -> Engine:
         # No prefix cache: both modes replay the same prompts (the second would skip prefill).
         return Engine(EngineConfig(
-            model=args.model, num_pages=args.num_pages, seed=0, enable_prefix_caching=False,
+            model=str(model_path), num_pages=args.num_pages, seed=0, enable_prefix_caching=False,
             speculative_method=method, num_speculative_tokens=args.num_speculative_tokens,
             speculative_cost_gate=not args.no_cost_gate,
             scheduler=SchedulerConfig(max_num_seqs=256)), adapter_source=Adapters(adapters))
 
     engines = {"off": engine("off"), "ngram": engine("ngram")}
     results = []
-    for kind in args.traces.split(","):
+    for kind in traces.split(","):
         for c, n in zip(concurrency, num_requests):
-            trace = make_trace(kind, n, adapters, seed=c)
+            trace = make_trace(kind, n, adapters, seed=c, vocab=int(hf_config["vocab_size"]))
             # Off first, then on: interleaved per cell, so load drifts hit both alike.
             row = {"trace": kind, "concurrency": c, "requests": n}
             for mode, eng in engines.items():
-                row[mode] = run(eng, trace, c, args.max_tokens)
+                row[mode] = run(eng, trace, c, args.max_tokens, ignore_eos=kind == "ids")
             off, on = row["off"], row["ngram"]
             row["same_tokens"] = sum(off["tokens"][r] == on["tokens"][r] for r, *_ in trace)
             row["speedup"] = on["decode_tokens_per_s"] / max(off["decode_tokens_per_s"], 1e-9)
@@ -208,11 +241,11 @@ def main(argv: list[str] | None = None) -> int:
             results.append(row)
             _print_row(row)
             sys.stdout.flush()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, check=False).stdout.strip()
+    load = os.getloadavg()
     print(f"model {args.model}, {args.num_adapters} adapters (Zipf, std {args.adapter_std}), "
           f"k <= {args.num_speculative_tokens}, cost gate {not args.no_cost_gate}, "
-          f"max_tokens {args.max_tokens}, {args.threads} thread(s), commit {commit}")
+          f"max_tokens {args.max_tokens}, {args.threads} thread(s), commit {commit}, "
+          f"load at start {load_start[0]:.1f}, at end {load[0]:.1f} (1-minute)")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         for row in results:
@@ -220,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                 row[mode] = {k: v for k, v in row[mode].items() if k != "tokens"}
         (args.out / "spec_bench.json").write_text(json.dumps({
             "args": {k: str(v) for k, v in vars(args).items()}, "commit": commit,
+            "load_1min": {"start": load_start[0], "end": load[0]},
             "results": results}, indent=2))
     return 0
 
