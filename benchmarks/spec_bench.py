@@ -7,8 +7,9 @@ free-generation trace, at several concurrencies, with adapters drawn Zipf.
 
 ``--model random`` is the engine benchmarks' random Llama (hidden 1024 x 8 layers,
 ``common.BENCH_HF_CONFIG``, byte tokenizer): random weights never copy a prompt, so its one
-trace (``ids``: random token-id prompts, EOS ignored) measures only acceptance and the cost
-of speculating (decode tokens per CPU second on / off).
+traces (``ids``: random token-id prompts; ``rep``: a random span repeated, so drafts are
+proposed and rejected; EOS ignored) measure only acceptance and the cost of speculating
+(decode tokens per CPU second on / off).
 
 For each trace and concurrency (closed loop: that many requests in flight) it runs the same
 requests with speculation off and on, interleaved, and reports: acceptance rate, tokens per
@@ -88,8 +89,9 @@ def make_adapters(model_path: Path, num: int, root: Path, std: float) -> list:
 
 def make_trace(kind: str, num: int, adapters: list, seed: int, vocab: int) -> list[tuple]:
     """``(request id, prompt, adapter digest or None)``: adapters Zipf(1) with the base model
-    as one more choice; the prompt is chat messages (``copy``, ``free``) or 64-128 random
-    token ids below ``vocab`` (``ids``)."""
+    as one more choice; the prompt is chat messages (``copy``, ``free``), 64-128 random
+    token ids below ``vocab`` (``ids``), or a random span of 32-64 ids twice (``rep``: the
+    n-gram proposer drafts the span's continuation, which random weights reject)."""
     rng = random.Random(seed)
     digests = [a.digest for a in adapters] + [None]
     weights = [1.0 / (k + 1) for k in range(len(digests))]
@@ -98,6 +100,9 @@ def make_trace(kind: str, num: int, adapters: list, seed: int, vocab: int) -> li
         prompt: ChatMessages | list[int]
         if kind == "ids":
             prompt = [rng.randrange(vocab) for _ in range(rng.randint(64, 128))]
+        elif kind == "rep":
+            span = [rng.randrange(vocab) for _ in range(rng.randint(32, 64))]
+            prompt = span + span
         else:
             if kind == "copy":
                 passage = " ".join(rng.sample(SENTENCES, rng.randint(3, 5)))
@@ -105,7 +110,7 @@ def make_trace(kind: str, num: int, adapters: list, seed: int, vocab: int) -> li
             elif kind == "free":
                 text = f"Write a short story about {rng.choice(TOPICS)}."
             else:
-                raise ValueError(f"--traces: {kind!r} is not one of copy, free, ids")
+                raise ValueError(f"--traces: {kind!r} is not one of copy, free, ids, rep")
             prompt = ChatMessages((ChatMessage("user", text),))
         trace.append((f"{kind}{i}", prompt, rng.choices(digests, weights)[0]))
     return trace
@@ -188,8 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", default="2,4,16,64",
                         help="requests per concurrency (same order)")
     parser.add_argument("--traces", default=None,
-                        help="copy, free (chat prompts) and ids (random token ids); default "
-                             "copy,free on smollm2, ids on random")
+                        help="copy, free (chat prompts), ids (random token ids) and rep (a "
+                             "random span twice); default copy,free on smollm2, ids,rep on "
+                             "random")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--num-adapters", type=int, default=64)
     parser.add_argument("--adapter-std", type=float, default=0.02,
@@ -207,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     if commit.endswith("-dirty") and not args.allow_dirty:
         raise SystemExit(f"commit {commit}: uncommitted changes; commit them (numbers are "
                          "quoted from a committed tree) or pass --allow-dirty")
-    traces = args.traces or ("ids" if args.model == "random" else "copy,free")
+    traces = args.traces or ("ids,rep" if args.model == "random" else "copy,free")
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()
     concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -232,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
             # Off first, then on: interleaved per cell, so load drifts hit both alike.
             row = {"trace": kind, "concurrency": c, "requests": n}
             for mode, eng in engines.items():
-                row[mode] = run(eng, trace, c, args.max_tokens, ignore_eos=kind == "ids")
+                row[mode] = run(eng, trace, c, args.max_tokens,
+                                ignore_eos=kind in ("ids", "rep"))
             off, on = row["off"], row["ngram"]
             row["same_tokens"] = sum(off["tokens"][r] == on["tokens"][r] for r, *_ in trace)
             row["speedup"] = on["decode_tokens_per_s"] / max(off["decode_tokens_per_s"], 1e-9)
