@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--no-cost-gate", action="store_true")
     parser.add_argument("--num-pages", type=int, default=2048,
-                        help="per engine (two engines: keep both pools in memory)")
+                        help="per engine (two engines: keep both pools in memory; on random a "
+                             "page is 1 MiB, use ~900)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--allow-dirty", action="store_true",
                         help="report from a tree with uncommitted changes (the commit says -dirty)")
@@ -245,28 +246,33 @@ def main(argv: list[str] | None = None) -> int:
             row["speedup"] = on["decode_tokens_per_s"] / max(off["decode_tokens_per_s"], 1e-9)
             row["speedup_cpu"] = (on["decode_tokens_per_cpu_s"]
                                   / max(off["decode_tokens_per_cpu_s"], 1e-9))
-            results.append(row)
             _print_row(row)
             sys.stdout.flush()
+            results.append({**row, **{m: {k: v for k, v in row[m].items() if k != "tokens"}
+                                      for m in engines}})
+            if args.out is not None:  # after every cell: a killed run keeps what it measured
+                _write(args, commit, load_start, results)
     load = os.getloadavg()
     print(f"model {args.model}, {args.num_adapters} adapters (Zipf, std {args.adapter_std}), "
           f"k <= {args.num_speculative_tokens}, cost gate {not args.no_cost_gate}, "
           f"max_tokens {args.max_tokens}, {args.threads} thread(s), commit {commit}, "
           f"load at start {load_start[0]:.1f}, at end {load[0]:.1f} (1-minute)")
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        for row in results:
-            for mode in engines:
-                row[mode] = {k: v for k, v in row[mode].items() if k != "tokens"}
-        (args.out / "spec_bench.json").write_text(json.dumps({
-            "args": {k: str(v) for k, v in vars(args).items()}, "commit": commit,
-            "load_1min": {"start": load_start[0], "end": load[0]},
-            "results": results}, indent=2))
+        _write(args, commit, load_start, results, load)
     return 0
 
 
+def _write(args: argparse.Namespace, commit: str, load_start: tuple, results: list[dict],
+           load_end: tuple | None = None) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "spec_bench.json").write_text(json.dumps({
+        "args": {k: str(v) for k, v in vars(args).items()}, "commit": commit,
+        "load_1min": {"start": load_start[0], "end": load_end[0] if load_end else None},
+        "results": results}, indent=2))
+
+
 HEADER = (f"{'trace':<6}{'conc':>5}{'mode':>7}{'accept':>8}{'tok/step':>9}{'dec tok/s':>10}"
-          f"{'tok/cpu-s':>10}{'TPOT p50':>9}{'p99':>8}{'speedup':>8}{'same':>6}")
+          f"{'tok/cpu-s':>10}{'TPOT p50':>9}{'p99':>8}{'speedup':>8}{'same':>6}{'drafts':>7}")
 
 
 def _print_row(row: dict) -> None:
@@ -276,11 +282,11 @@ def _print_row(row: dict) -> None:
     for mode in ("off", "ngram"):
         r = row[mode]
         extra = (f"{row['speedup']:>7.2f}x{row['same_tokens']:>3}/{row['requests']}"
-                 if mode == "ngram" else "")
+                 if mode == "ngram" else " " * 14)
         print(f"{row['trace']:<6}{row['concurrency']:>5}{mode:>7}{r['acceptance']:>8.2f}"
               f"{r['tokens_per_step']:>9.2f}{r['decode_tokens_per_s']:>10.1f}"
               f"{r['decode_tokens_per_cpu_s']:>10.1f}{r['tpot_p50_ms']:>9.1f}"
-              f"{r['tpot_p99_ms']:>8.1f}{extra}")
+              f"{r['tpot_p99_ms']:>8.1f}{extra}{r['proposed']:>7}")
 
 
 if __name__ == "__main__":
