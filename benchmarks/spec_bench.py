@@ -7,9 +7,10 @@ free-generation trace, at several concurrencies, with adapters drawn Zipf.
 
 ``--model random`` is the engine benchmarks' random Llama (hidden 1024 x 8 layers,
 ``common.BENCH_HF_CONFIG``, byte tokenizer): random weights never copy a prompt, so its one
-traces (``ids``: random token-id prompts; ``rep``: a random span repeated, so drafts are
-proposed and rejected; EOS ignored) measure only acceptance and the cost of speculating
-(decode tokens per CPU second on / off).
+traces (``ids``: random token-id prompts; ``rep``: a random span twice; EOS ignored)
+measure only acceptance and the cost of speculating (decode tokens per CPU second on / off).
+Neither makes drafts in practice: the prompt's suffix n-gram matches only before the first
+output token, which prefill samples, and random outputs never repeat the context.
 
 For each trace and concurrency (closed loop: that many requests in flight) it runs the same
 requests with speculation off and on, interleaved, and reports: acceptance rate, tokens per
@@ -90,8 +91,7 @@ def make_adapters(model_path: Path, num: int, root: Path, std: float) -> list:
 def make_trace(kind: str, num: int, adapters: list, seed: int, vocab: int) -> list[tuple]:
     """``(request id, prompt, adapter digest or None)``: adapters Zipf(1) with the base model
     as one more choice; the prompt is chat messages (``copy``, ``free``), 64-128 random
-    token ids below ``vocab`` (``ids``), or a random span of 32-64 ids twice (``rep``: the
-    n-gram proposer drafts the span's continuation, which random weights reject)."""
+    token ids below ``vocab`` (``ids``), or a random span of 32-64 ids twice (``rep``)."""
     rng = random.Random(seed)
     digests = [a.digest for a in adapters] + [None]
     weights = [1.0 / (k + 1) for k in range(len(digests))]
