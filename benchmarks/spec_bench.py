@@ -3,12 +3,21 @@ on a copy-heavy trace (the prompt holds a passage the answer repeats or edits) a
 free-generation trace, at several concurrencies, with adapters drawn Zipf.
 
     .venv/bin/python benchmarks/spec_bench.py --model smollm2 --out /tmp/spec
+    .venv/bin/python benchmarks/spec_bench.py --model random --out /tmp/spec-random
+
+``--model random`` is the engine benchmarks' random Llama (hidden 1024 x 8 layers,
+``common.BENCH_HF_CONFIG``, byte tokenizer): random weights never copy a prompt, so its one
+traces (``ids``: random token-id prompts; ``rep``: a random span twice; EOS ignored)
+measure only acceptance and the cost of speculating (decode tokens per CPU second on / off).
+Neither makes drafts in practice: the prompt's suffix n-gram matches only before the first
+output token, which prefill samples, and random outputs never repeat the context.
 
 For each trace and concurrency (closed loop: that many requests in flight) it runs the same
 requests with speculation off and on, interleaved, and reports: acceptance rate, tokens per
 request-step (emitted tokens over decode rows), decode tokens/s (and per CPU second: the
 machine is shared) over decode-only steps, TPOT p50/p99, and whether the greedy tokens are
-the same. Prints a table and writes JSON.
+the same. Prints a table and writes JSON; the report carries the commit and refuses a tree
+with uncommitted changes unless ``--allow-dirty``.
 """
 
 from __future__ import annotations
@@ -18,7 +27,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,11 +36,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
+from common import MODEL_CHOICES, bench_model, git_commit  # noqa: E402
 
 from loraplex.adapter_store.format import load_adapter  # noqa: E402
+from loraplex.server import env  # noqa: E402
 from loraplex.server.commands import write_demo_adapter  # noqa: E402
 from loraplex.server.config import EngineConfig, SchedulerConfig  # noqa: E402
-from loraplex.server.engine.engine import Engine, resolve_model_path  # noqa: E402
+from loraplex.server.engine.engine import Engine  # noqa: E402
 from loraplex.server.engine.models.config import ModelConfig  # noqa: E402
 from loraplex.server.params import ChatMessage, ChatMessages, SamplingParams  # noqa: E402
 
@@ -71,33 +81,45 @@ class Adapters:
         return self.by_digest[digest]
 
 
-def make_adapters(model: str, num: int, root: Path, std: float) -> list:
-    config = ModelConfig.from_pretrained(resolve_model_path(model))
-    return [load_adapter(write_demo_adapter(root / f"a{i}", resolve_model_path(model),
+def make_adapters(model_path: Path, num: int, root: Path, std: float) -> list:
+    config = ModelConfig.from_pretrained(str(model_path))
+    return [load_adapter(write_demo_adapter(root / f"a{i}", str(model_path),
                                             rank=(4, 8, 16)[i % 3], seed=i, std=std), config)
             for i in range(num)]
 
 
-def make_trace(kind: str, num: int, adapters: list, seed: int) -> list[tuple]:
-    """``(request id, chat messages, adapter digest or None)``: adapters Zipf(1) with the base
-    model as one more choice."""
+def make_trace(kind: str, num: int, adapters: list, seed: int, vocab: int) -> list[tuple]:
+    """``(request id, prompt, adapter digest or None)``: adapters Zipf(1) with the base model
+    as one more choice; the prompt is chat messages (``copy``, ``free``), 64-128 random
+    token ids below ``vocab`` (``ids``), or a random span of 32-64 ids twice (``rep``)."""
     rng = random.Random(seed)
     digests = [a.digest for a in adapters] + [None]
     weights = [1.0 / (k + 1) for k in range(len(digests))]
     trace = []
     for i in range(num):
-        if kind == "copy":
-            passage = " ".join(rng.sample(SENTENCES, rng.randint(3, 5)))
-            text = f"{rng.choice(COPY_TASKS)}\n\n{passage}"
+        prompt: ChatMessages | list[int]
+        if kind == "ids":
+            prompt = [rng.randrange(vocab) for _ in range(rng.randint(64, 128))]
+        elif kind == "rep":
+            span = [rng.randrange(vocab) for _ in range(rng.randint(32, 64))]
+            prompt = span + span
         else:
-            text = f"Write a short story about {rng.choice(TOPICS)}."
-        trace.append((f"{kind}{i}", ChatMessages((ChatMessage("user", text),)),
-                      rng.choices(digests, weights)[0]))
+            if kind == "copy":
+                passage = " ".join(rng.sample(SENTENCES, rng.randint(3, 5)))
+                text = f"{rng.choice(COPY_TASKS)}\n\n{passage}"
+            elif kind == "free":
+                text = f"Write a short story about {rng.choice(TOPICS)}."
+            else:
+                raise ValueError(f"--traces: {kind!r} is not one of copy, free, ids, rep")
+            prompt = ChatMessages((ChatMessage("user", text),))
+        trace.append((f"{kind}{i}", prompt, rng.choices(digests, weights)[0]))
     return trace
 
 
-def run(engine: Engine, trace: list[tuple], concurrency: int, max_tokens: int) -> dict:
-    """The trace, closed loop at ``concurrency``; greedy, EOS kept (answers end naturally)."""
+def run(engine: Engine, trace: list[tuple], concurrency: int, max_tokens: int,
+        ignore_eos: bool = False) -> dict:
+    """The trace, closed loop at ``concurrency``; greedy, EOS kept (answers end naturally)
+    unless ``ignore_eos`` (the random model: every request runs ``max_tokens``)."""
     sched = engine.scheduler
     spec_before = engine.stats().spec
     pending = list(trace)
@@ -110,8 +132,9 @@ def run(engine: Engine, trace: list[tuple], concurrency: int, max_tokens: int) -
     in_flight = 0
     while pending or engine.has_unfinished():
         while pending and in_flight < concurrency:
-            rid, messages, digest = pending.pop(0)
-            engine.add_request(rid, messages, SamplingParams(max_tokens=max_tokens),
+            rid, prompt, digest = pending.pop(0)
+            engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens,
+                                                           ignore_eos=ignore_eos),
                                adapter_digest=digest)
             tokens[rid] = []
             in_flight += 1
@@ -161,11 +184,18 @@ def run(engine: Engine, trace: list[tuple], concurrency: int, max_tokens: int) -
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--model", default="smollm2", choices=MODEL_CHOICES,
+                        help="smollm2: the real SmolLM2-135M-Instruct; random: hidden 1024 x 8 "
+                             "layers, random weights (acceptance and overhead only)")
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="where the random model is built once (default: the data cache)")
     parser.add_argument("--concurrency", default="1,4,16,64")
     parser.add_argument("--requests", default="2,4,16,64",
                         help="requests per concurrency (same order)")
-    parser.add_argument("--traces", default="copy,free")
+    parser.add_argument("--traces", default=None,
+                        help="copy, free (chat prompts), ids (random token ids) and rep (a "
+                             "random span twice); default copy,free on smollm2, ids,rep on "
+                             "random")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--num-adapters", type=int, default=64)
     parser.add_argument("--adapter-std", type=float, default=0.02,
@@ -173,59 +203,76 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--no-cost-gate", action="store_true")
     parser.add_argument("--num-pages", type=int, default=2048,
-                        help="per engine (two engines: keep both pools in memory)")
+                        help="per engine (two engines: keep both pools in memory; on random a "
+                             "page is 1 MiB, use ~900)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--allow-dirty", action="store_true",
+                        help="report from a tree with uncommitted changes (the commit says -dirty)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    commit = git_commit()
+    if commit.endswith("-dirty") and not args.allow_dirty:
+        raise SystemExit(f"commit {commit}: uncommitted changes; commit them (numbers are "
+                         "quoted from a committed tree) or pass --allow-dirty")
+    traces = args.traces or ("ids,rep" if args.model == "random" else "copy,free")
     torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()
     concurrency = [int(c) for c in args.concurrency.split(",")]
     num_requests = [int(n) for n in args.requests.split(",")]
+    model_path, hf_config = bench_model(args.model, args.cache_dir or env.cache_dir() / "bench")
     with tempfile.TemporaryDirectory() as tmp:
-        adapters = make_adapters(args.model, args.num_adapters, Path(tmp), args.adapter_std)
+        adapters = make_adapters(model_path, args.num_adapters, Path(tmp), args.adapter_std)
 
     def engine(method: str) -> Engine:
         # No prefix cache: both modes replay the same prompts (the second would skip prefill).
         return Engine(EngineConfig(
-            model=args.model, num_pages=args.num_pages, seed=0, enable_prefix_caching=False,
+            model=str(model_path), num_pages=args.num_pages, seed=0, enable_prefix_caching=False,
             speculative_method=method, num_speculative_tokens=args.num_speculative_tokens,
             speculative_cost_gate=not args.no_cost_gate,
             scheduler=SchedulerConfig(max_num_seqs=256)), adapter_source=Adapters(adapters))
 
     engines = {"off": engine("off"), "ngram": engine("ngram")}
     results = []
-    for kind in args.traces.split(","):
+    for kind in traces.split(","):
         for c, n in zip(concurrency, num_requests):
-            trace = make_trace(kind, n, adapters, seed=c)
+            trace = make_trace(kind, n, adapters, seed=c, vocab=int(hf_config["vocab_size"]))
             # Off first, then on: interleaved per cell, so load drifts hit both alike.
             row = {"trace": kind, "concurrency": c, "requests": n}
             for mode, eng in engines.items():
-                row[mode] = run(eng, trace, c, args.max_tokens)
+                row[mode] = run(eng, trace, c, args.max_tokens,
+                                ignore_eos=kind in ("ids", "rep"))
             off, on = row["off"], row["ngram"]
             row["same_tokens"] = sum(off["tokens"][r] == on["tokens"][r] for r, *_ in trace)
             row["speedup"] = on["decode_tokens_per_s"] / max(off["decode_tokens_per_s"], 1e-9)
             row["speedup_cpu"] = (on["decode_tokens_per_cpu_s"]
                                   / max(off["decode_tokens_per_cpu_s"], 1e-9))
-            results.append(row)
             _print_row(row)
             sys.stdout.flush()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, check=False).stdout.strip()
+            results.append({**row, **{m: {k: v for k, v in row[m].items() if k != "tokens"}
+                                      for m in engines}})
+            if args.out is not None:  # after every cell: a killed run keeps what it measured
+                _write(args, commit, load_start, results)
+    load = os.getloadavg()
     print(f"model {args.model}, {args.num_adapters} adapters (Zipf, std {args.adapter_std}), "
           f"k <= {args.num_speculative_tokens}, cost gate {not args.no_cost_gate}, "
-          f"max_tokens {args.max_tokens}, {args.threads} thread(s), commit {commit}")
+          f"max_tokens {args.max_tokens}, {args.threads} thread(s), commit {commit}, "
+          f"load at start {load_start[0]:.1f}, at end {load[0]:.1f} (1-minute)")
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        for row in results:
-            for mode in engines:
-                row[mode] = {k: v for k, v in row[mode].items() if k != "tokens"}
-        (args.out / "spec_bench.json").write_text(json.dumps({
-            "args": {k: str(v) for k, v in vars(args).items()}, "commit": commit,
-            "results": results}, indent=2))
+        _write(args, commit, load_start, results, load)
     return 0
 
 
+def _write(args: argparse.Namespace, commit: str, load_start: tuple, results: list[dict],
+           load_end: tuple | None = None) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "spec_bench.json").write_text(json.dumps({
+        "args": {k: str(v) for k, v in vars(args).items()}, "commit": commit,
+        "load_1min": {"start": load_start[0], "end": load_end[0] if load_end else None},
+        "results": results}, indent=2))
+
+
 HEADER = (f"{'trace':<6}{'conc':>5}{'mode':>7}{'accept':>8}{'tok/step':>9}{'dec tok/s':>10}"
-          f"{'tok/cpu-s':>10}{'TPOT p50':>9}{'p99':>8}{'speedup':>8}{'same':>6}")
+          f"{'tok/cpu-s':>10}{'TPOT p50':>9}{'p99':>8}{'speedup':>8}{'same':>6}{'drafts':>7}")
 
 
 def _print_row(row: dict) -> None:
@@ -235,11 +282,11 @@ def _print_row(row: dict) -> None:
     for mode in ("off", "ngram"):
         r = row[mode]
         extra = (f"{row['speedup']:>7.2f}x{row['same_tokens']:>3}/{row['requests']}"
-                 if mode == "ngram" else "")
+                 if mode == "ngram" else " " * 14)
         print(f"{row['trace']:<6}{row['concurrency']:>5}{mode:>7}{r['acceptance']:>8.2f}"
               f"{r['tokens_per_step']:>9.2f}{r['decode_tokens_per_s']:>10.1f}"
               f"{r['decode_tokens_per_cpu_s']:>10.1f}{r['tpot_p50_ms']:>9.1f}"
-              f"{r['tpot_p99_ms']:>8.1f}{extra}")
+              f"{r['tpot_p99_ms']:>8.1f}{extra}{r['proposed']:>7}")
 
 
 if __name__ == "__main__":

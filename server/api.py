@@ -124,9 +124,17 @@ class WorkerRequest:
 
 @dataclass(frozen=True)
 class Usage:
+    """A request's token counts (on its last chunk; output and drafts summed over its n).
+
+    ``draft_tokens``: speculative draft tokens verified; ``accepted_draft_tokens``: those
+    accepted (``<= draft_tokens``; both 0 without speculation). The OpenAI HTTP API's
+    ``usage`` shows neither (vLLM-compatible clients expect its keys only)."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 @dataclass(frozen=True)

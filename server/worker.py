@@ -153,7 +153,7 @@ class WorkerService:
         self._idle.clear()
         code, cause, finished = "CANCELLED", "cancelled", False
         num_left = request.params.n  # sequences still running: the stream ends after all
-        num_output_tokens = 0
+        num_output_tokens = num_draft_tokens = num_accepted_draft_tokens = 0
         try:
             while True:
                 out = await queue.get()
@@ -166,6 +166,8 @@ class WorkerService:
                     continue
                 num_left -= 1
                 num_output_tokens += out.num_output_tokens
+                num_draft_tokens += out.num_draft_tokens
+                num_accepted_draft_tokens += out.num_accepted_draft_tokens
                 # One sequence failing fails the request: the finally block aborts the rest.
                 finished = num_left == 0
                 failure = request_failure(out)
@@ -184,7 +186,9 @@ class WorkerService:
                                         index=out.index)
                     continue
                 code, cause = "OK", ""
-                yield self._last_chunk(req, out, timer, num_output_tokens)
+                yield self._last_chunk(req, out, timer, Usage(
+                    out.num_prompt_tokens, num_output_tokens, req.num_cached_tokens,
+                    num_draft_tokens, num_accepted_draft_tokens))
                 return
         finally:
             del self._active[rid]
@@ -197,14 +201,15 @@ class WorkerService:
                 self._idle.set()
 
     def _last_chunk(self, req: Request, out: RequestOutput, timer: StreamTimer,
-                    num_output_tokens: int) -> GenerateChunk:
+                    usage: Usage) -> GenerateChunk:
+        """The stream's last chunk: ``out``'s tokens, ``usage`` (the prompt and its cache
+        hits once, since sequence 0 computed it; every sequence's output and drafts) and the
+        timing."""
         queue_seconds = 0.0
         if req.first_scheduled_time is not None:
             queue_seconds = req.first_scheduled_time - req.arrival_time
             self.metrics.queue_time.observe(queue_seconds)
         timing = Timing(queue_seconds, timer.ttft, time.monotonic() - timer.start)
-        # The prompt and its cache hits once (sequence 0 computed it), every sequence's output.
-        usage = Usage(out.num_prompt_tokens, num_output_tokens, req.num_cached_tokens)
         return GenerateChunk(req.request_id, list(out.new_token_ids), out.new_text,
                              list(out.logprobs), out.finish_reason, usage, timing,
                              list(out.prompt_logprobs), out.index)

@@ -1,6 +1,7 @@
 """The wire's new fields round-trip: tools and tool choice on requests, tool calls on chunks
-and responses, and a unary response's n sequences (sequence 0 also in its top-level fields;
-a one-sequence response carries no ``sequences`` on the wire)."""
+and responses, a unary response's n sequences (sequence 0 also in its top-level fields;
+a one-sequence response carries no ``sequences`` on the wire), and usage's speculation
+counts."""
 
 from __future__ import annotations
 
@@ -67,3 +68,19 @@ def test_gather_routes_chunks_by_sequence() -> None:
     assert [(s.index, s.token_ids, s.finish_reason) for s in done.sequences] == [
         (0, [1, 4], "stop"), (1, [2, 3], "length")]
     assert done.usage == Usage(1, 4, 0) and len(done.prompt_logprobs) == 1
+
+
+def test_usage_speculation_counts_round_trip() -> None:
+    usage = Usage(10, 24, 4, draft_tokens=17, accepted_draft_tokens=12)
+    chunk = GenerateChunk("r", [3], "c", finish_reason="length", usage=usage)
+    m = chunk_to_pb(chunk)
+    assert (m.usage.draft_tokens, m.usage.accepted_draft_tokens) == (17, 12)
+    assert chunk_from_pb(m) == chunk
+    done = Completion("r", [3], "c", usage=usage,
+                      sequences=[SequenceOutput(0, [3], "c", [], "length")],
+                      finish_reason="length")
+    assert completion_from_pb(completion_to_pb(done)).usage == usage
+    # A message from a sender without the fields (an older worker): no drafts.
+    m.usage.ClearField("draft_tokens")
+    m.usage.ClearField("accepted_draft_tokens")
+    assert chunk_from_pb(m).usage == Usage(10, 24, 4)
