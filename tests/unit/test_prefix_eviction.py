@@ -50,3 +50,29 @@ def test_the_longest_prefixes_survive_eviction():
     pages = pager.allocate(len(pages) + 2)  # two more: r0's last page, then r1's deepest
     assert matched_pages(cache, prompts[0], "again0") == 0
     assert matched_pages(cache, prompts[1], "again1") == 3
+
+
+def test_a_matched_prefix_not_admitted_goes_back_to_the_cache():
+    """Admission matches a cached prefix, then finds no room for the rest: the matched pages
+    go back through ``PrefixCache.unmatch`` (unpinned, still cached, still matching), and the
+    request waits holding nothing (issue 15, item 5)."""
+    pager = Pager(8)
+    cache = PrefixCache(pager, PAGE, "rev")
+    sched = Scheduler(SchedulerConfig(page_size=PAGE), pager, prefix_cache=cache)
+    prompt = list(range(2 * PAGE + 1))  # 2 full pages cached when it ends
+    run_to_end(sched, cache, Request("r0", prompt, SamplingParams(max_tokens=1)))
+    assert pager.stats().num_prefix == 2
+    held = pager.allocate(pager.num_free)  # every free page taken: only the cache's are left
+    late = Request("r1", prompt + list(range(100, 100 + 4 * PAGE)), SamplingParams(max_tokens=1))
+    sched.add(late)
+    batch = sched.schedule()
+    assert batch.requests == [] and late.page_ids == [] and late.num_computed_tokens == 0
+    assert late.status is RequestStatus.WAITING
+    assert pager.stats().num_prefix == 2  # back in the cache, evictable again
+    assert matched_pages(cache, prompt, "probe") == 2
+    pager.free(held)
+    while late.num_computed_tokens < late.num_tokens:  # room again: admitted on its prefix
+        batch = sched.schedule()
+        for r, n in zip(batch.requests, batch.num_new_tokens):
+            r.num_computed_tokens += n
+    assert late.num_cached_tokens == 2 * PAGE
