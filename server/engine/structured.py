@@ -39,10 +39,8 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -50,6 +48,14 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
+from loraplex.server.engine.grammar_cache import (
+    GrammarCache,
+    bounded_strings_as_patterns,
+    choice_grammar,
+    first_line,
+    no_token_error,
+    timeout_error,
+)
 from loraplex.server.engine.request import Request
 from loraplex.server.engine.tokenizer import Tokenizer
 from loraplex.server.engine.utf8_filter import START, Utf8Filter
@@ -58,45 +64,6 @@ from loraplex.server.params import StructuredOutput
 logger = logging.getLogger(__name__)
 
 _COMPILE_THREADS = 2
-_XGR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
-
-
-class GrammarCache:
-    """Compiled grammars by key, least recently used first out, bounded in bytes (thread-safe:
-    compile threads insert, ``submit`` reads)."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self._entries: OrderedDict[tuple, Any] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
-
-    def get(self, key: tuple) -> Any | None:
-        with self._lock:
-            compiled = self._entries.get(key)
-            if compiled is None:
-                self.misses += 1
-                return None
-            self._entries.move_to_end(key)
-            self.hits += 1
-            return compiled
-
-    def put(self, key: tuple, compiled: Any) -> None:
-        size = int(compiled.memory_size_bytes)
-        with self._lock:
-            if key in self._entries or size > self.max_bytes:
-                return
-            self._entries[key] = compiled
-            self._bytes += size
-            while self._bytes > self.max_bytes:
-                _, old = self._entries.popitem(last=False)
-                self._bytes -= int(old.memory_size_bytes)
-
-    @property
-    def num_bytes(self) -> int:
-        return self._bytes
 
 
 class GrammarState:
@@ -128,7 +95,7 @@ class GrammarState:
         if self.error is None and self.compiled is None and self.compile_started is not None:
             elapsed = now - self.compile_started
             if elapsed > self.timeout:
-                self.error = _timeout_error(self.spec, elapsed, self.timeout)
+                self.error = timeout_error(self.spec, elapsed, self.timeout)
         return self.error
 
     def _matcher_for(self, req: Request) -> Any:
@@ -349,7 +316,7 @@ class GrammarService:
             compiler = self._get_compiler()  # the vocabulary's reading is not the grammar's time
         except Exception as exc:
             error = (f"structured.{spec.kind}: this model's tokenizer cannot be read by "
-                     f"xgrammar: {_first_line(exc)}")
+                     f"xgrammar: {first_line(exc)}")
         started = time.monotonic()
         with self._inflight_lock:
             for state in self._inflight.get(spec.key, []):
@@ -358,10 +325,10 @@ class GrammarService:
             if compiler is not None:
                 compiled = self._compile_spec(compiler, spec)
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError for bad grammars
-            error = f"structured.{spec.kind}: does not compile: {_first_line(exc)}"
+            error = f"structured.{spec.kind}: does not compile: {first_line(exc)}"
         elapsed = time.monotonic() - started
         if error is None and elapsed > self.timeout:
-            error, compiled = _timeout_error(spec, elapsed, self.timeout), None
+            error, compiled = timeout_error(spec, elapsed, self.timeout), None
         if compiled is not None:
             self.cache.put(spec.key, compiled)
         with self._inflight_lock:
@@ -457,52 +424,6 @@ class GrammarService:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def bounded_strings_as_patterns(schema: Any) -> Any:
-    """``schema`` with each length-bounded string (``minLength`` / ``maxLength``, no pattern or
-    format) turned into the same bounds on a pattern of unescaped JSON string characters.
-
-    xgrammar 0.2.8 compiles a length-bounded string to ``[^"\\\r\n]{0,n}``, which lets raw
-    control characters (invalid in JSON) through, and its negated classes admit UTF-8-encoded
-    surrogates (which decode to three U+FFFD, breaking the length); the pattern excludes both.
-    """
-    if isinstance(schema, list):
-        return [bounded_strings_as_patterns(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: bounded_strings_as_patterns(v) for k, v in schema.items()}
-    bounded = "minLength" in out or "maxLength" in out
-    if (out.get("type") == "string" and bounded
-            and not {"pattern", "format", "enum", "const"} & out.keys()):
-        low, high = out.pop("minLength", 0), out.pop("maxLength", "")
-        out["pattern"] = rf'^[^"\\\x00-\x1f\ud800-\udfff]{{{low},{high}}}$'
-    return out
-
-
-def choice_grammar(choices: Sequence[str]) -> str:
-    """An EBNF grammar whose sentences are exactly ``choices``."""
-    # JSON string literals are EBNF string literals: quotes, backslashes and control
-    # characters escaped, everything else (non-ASCII included) as is.
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-
-
-def no_token_error(spec: StructuredOutput) -> str:
-    """The error of a request whose grammar allows no token (it can never be satisfied)."""
-    return (f"structured.{spec.kind}: no token can continue the output (the constraint cannot "
-            "be satisfied with this model's vocabulary)")
-
-
-def _timeout_error(spec: StructuredOutput, elapsed: float, timeout: float) -> str:
-    return (f"structured.{spec.kind}: compiling took {elapsed:.3f} s, over the limit of "
-            f"{timeout:g} s (grammar_compile_timeout)")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    line = text[0] if text else type(exc).__name__
-    # xgrammar prefixes its messages with a time and a C++ source location.
-    return _XGR_PREFIX.sub("", line)[:300]
 
 
 def _log_unexpected(future: Future[None]) -> None:
