@@ -17,6 +17,12 @@ def data_dir() -> Path:
     return Path(os.environ.get("LORAPLEX_DATA_DIR", cache_dir() / "data"))
 
 
+def native_kernels() -> bool:
+    """``LORAPLEX_NATIVE_KERNELS``: ``0`` turns the compiled C CPU kernels off (torch ops only)."""
+    return os.environ.get("LORAPLEX_NATIVE_KERNELS", "1").strip().lower() not in (
+        "0", "false", "no", "off")
+
+
 def get(name: str, default: str | None = None) -> str | None:
     """``LORAPLEX_<NAME>`` or ``default``: the environment half of a CLI flag."""
     return os.environ.get(f"LORAPLEX_{name.upper()}", default)
