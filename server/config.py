@@ -85,6 +85,10 @@ class SchedulerConfig:
         2.0, "with target_itl_ms: when the decode rows alone are predicted over the target, a "
         "step may take up to this many times their predicted time, prefill getting the rest "
         "(1: the target alone, prefill falls to min_prefill_chunk)")
+    prefill_pacing: float = setting(
+        1.25, "with target_itl_ms: a step's prompt tokens are at most this multiple of their "
+        "arrival rate per step plus 1/32 of the backlog (never below min_prefill_chunk), "
+        "so steps stay even instead of alternating decode-only and prefill-heavy (0: off)")
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -104,6 +108,9 @@ class SchedulerConfig:
         if not 1.0 <= self.decode_floor_ratio < float("inf"):
             raise ValueError(f"decode_floor_ratio: must be finite and >= 1, got "
                              f"{self.decode_floor_ratio}")
+        if not (self.prefill_pacing == 0 or 1.0 <= self.prefill_pacing < float("inf")):
+            raise ValueError(f"prefill_pacing: must be 0 (off) or finite and >= 1, got "
+                             f"{self.prefill_pacing}")
         if self.vtc_input_weight < 0 or self.vtc_output_weight < 0:
             raise ValueError("vtc_input_weight / vtc_output_weight: must be >= 0")
         object.__setattr__(self, "tenant_weights", tuple(

@@ -8,7 +8,8 @@ then waiting requests are admitted while the budget, the running cap and the pag
 With an inter-token latency target (``target_itl_ms``) the budget is also one of time: each
 step's prefill is sized so that the step's predicted time (a cost model passed in as a
 function, ``step_cost.py``) stays within the target, or within ``decode_floor_ratio`` times
-the decode rows' own time when they alone exceed it: stall-free batching as in Sarathi-Serve.
+the decode rows' own time when they alone exceed it, and paced at the prompts' arrival rate
+(``pacing.py``) so that steps stay even: stall-free batching as in Sarathi-Serve.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from loraplex.server.engine.batch import (
     ScheduledBatch,
 )
 from loraplex.server.engine.fairness import VirtualTokenCounter
+from loraplex.server.engine.pacing import PrefillPacer
 from loraplex.server.engine.pager import Pager
 from loraplex.server.engine.prefix_cache import PrefixCache
 from loraplex.server.engine.request import Request, RequestStatus
@@ -65,6 +67,8 @@ class Scheduler(StepUpdater):
         self._cost = cost
         self._target = (config.target_itl_ms / 1000.0
                         if config.target_itl_ms > 0 and cost is not None else None)
+        self._pacer = (PrefillPacer(config.prefill_pacing, config.min_prefill_chunk)
+                       if self._target is not None and config.prefill_pacing > 0 else None)
         self.pager = pager
         self.gate = gate
         self.prefix_cache = prefix_cache
@@ -92,6 +96,8 @@ class Scheduler(StepUpdater):
             self.vtc.on_arrival(request.tenant, active)
         if siblings:
             self._unforked[request.request_id] = list(siblings)
+        if self._pacer is not None:
+            self._pacer.arrived(request.num_tokens - request.num_computed_tokens)
         self.waiting.append(request)
 
     def pending_forks(self, request: Request) -> tuple[Request, ...]:
@@ -209,7 +215,8 @@ class Scheduler(StepUpdater):
         the predicted time of the step's decode rows alone (those running at its start) and
         ``r = decode_floor_ratio``. The step's first prefill chunk always gets at least
         ``min_prefill_chunk`` tokens (or its remainder), so a step exceeds ``L`` only by that
-        one minimum chunk.
+        one minimum chunk. With ``prefill_pacing`` the step's prompt tokens are also at most
+        ``PrefillPacer.quota`` (never below that minimum): even steps, not alternating ones.
 
         Why ``r * D``: when the decodes alone are predicted over the target (a CPU at high
         concurrency), the target alone leaves prefill only the minimum chunk, so the queue
@@ -267,6 +274,10 @@ class Scheduler(StepUpdater):
         limit = self._step_limit(shape) if sizing else None
         reserved = sum(n for _, n in held.values())
         prefilled = False
+        paced = budget
+        if self._pacer is not None:
+            quota = self._pacer.quota(self.running, self.waiting)  # folds in the arrivals
+            paced = quota if held else budget  # no decode rows: nothing to keep even
 
         def unhold(req: Request) -> int:
             nonlocal reserved
@@ -282,8 +293,8 @@ class Scheduler(StepUpdater):
             if req.request_id in held:
                 n = min(unhold(req), budget)
             else:
-                n = self._fit(shape, req, self._chunk(req, budget - reserved), prefilled, 0,
-                              limit)
+                n = self._fit(shape, req, min(self._chunk(req, budget - reserved), paced),
+                              prefilled, 0, limit)
                 if n <= 0:
                     i += 1  # no room for this prompt's chunk; the decodes behind it still go
                     continue
@@ -313,6 +324,7 @@ class Scheduler(StepUpdater):
             req.page_ids.extend(self.pager.allocate(need))
             shape.add(req.num_computed_tokens, n, decode, req.adapter_digest)
             prefilled = prefilled or not decode
+            paced -= 0 if decode else n
             self._charge(req, n)
             scheduled.append(req)
             counts.append(n)
@@ -350,7 +362,8 @@ class Scheduler(StepUpdater):
             req.page_ids = matched
             req.num_computed_tokens = len(matched) * self.config.page_size
             loaded = self.gate.pages_to_load(req) if self.gate is not None else 0
-            n = self._fit(shape, req, self._chunk(req, budget), prefilled, loaded, limit)
+            n = self._fit(shape, req, min(self._chunk(req, budget), paced), prefilled, loaded,
+                          limit)
             need = self._pages_for(req, req.num_computed_tokens + n)
             extra = self.gate.pages_needed(req) if self.gate is not None else 0
             if n <= 0 or not self.pager.can_allocate(need + extra):
@@ -374,6 +387,7 @@ class Scheduler(StepUpdater):
             decode = self._decoding(req)
             shape.add(req.num_computed_tokens, n, decode, digest, loaded)
             prefilled = prefilled or not decode
+            paced -= 0 if decode else n
             self._charge(req, n)  # at once, so the next pick sees this admission
             scheduled.append(req)
             counts.append(n)

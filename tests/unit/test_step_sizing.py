@@ -239,7 +239,8 @@ def test_a_target_below_the_decode_floor_leaves_prefill_its_share(ratio):
     m = 8
     cost = linear_cost(c0=0.010, prefill=1e-3, decode=5e-3, context=0.0, adapters=0.0)
     cfg = SchedulerConfig(page_size=4, max_num_batched_tokens=2048, target_itl_ms=20,
-                          min_prefill_chunk=m, decode_floor_ratio=ratio)
+                          min_prefill_chunk=m, decode_floor_ratio=ratio,
+                          prefill_pacing=0)  # the floor's share alone, unpaced
     driver = Driver(Scheduler(cfg, Pager(2000), cost=cost))
     streams = [make_request(f"s{i}", 4, 200) for i in range(16)]
     prompts = [make_request(f"p{i}", 64, 5) for i in range(16)]
@@ -261,7 +262,8 @@ def test_a_target_below_the_decode_floor_leaves_prefill_its_share(ratio):
 def test_cached_prefix_pages_cost_nothing():
     page = 4
     cost = linear_cost(prefill=1e-3, c0=0.0, context=0.0)
-    cfg = SchedulerConfig(page_size=page, target_itl_ms=40, min_prefill_chunk=4)
+    cfg = SchedulerConfig(page_size=page, target_itl_ms=40, min_prefill_chunk=4,
+                          prefill_pacing=0)  # the target's arithmetic alone
     pager = Pager(200)
     prefix = PrefixCache(pager, page, "rev")
     driver = Driver(Scheduler(cfg, pager, prefix_cache=prefix, cost=cost), prefix)
@@ -280,7 +282,8 @@ def test_cached_prefix_pages_cost_nothing():
 
 def test_an_adapter_copy_counts_in_the_step():
     cost = linear_cost(c0=0.0, prefill=1e-3, decode=0.0, context=0.0, adapters=0.0, pages=1e-3)
-    cfg = SchedulerConfig(page_size=4, target_itl_ms=20, min_prefill_chunk=2)
+    cfg = SchedulerConfig(page_size=4, target_itl_ms=20, min_prefill_chunk=2,
+                          prefill_pacing=0)  # the target's arithmetic alone
     driver = Driver(Scheduler(cfg, Pager(200), Gate(pages=10), cost=cost))
     driver.run({0: [make_request("x", 40, 1, adapter="a")]})
     first_scheduled, _, shape, _ = driver.steps[0]
@@ -338,3 +341,6 @@ def test_target_settings_are_validated():
     for ratio in (0.5, float("inf")):
         with pytest.raises(ValueError, match="decode_floor_ratio"):
             SchedulerConfig(decode_floor_ratio=ratio)
+    for pacing in (-1.0, 0.5, float("inf")):
+        with pytest.raises(ValueError, match="prefill_pacing"):
+            SchedulerConfig(prefill_pacing=pacing)
