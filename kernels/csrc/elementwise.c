@@ -16,6 +16,8 @@
  *
  * dtype codes: 0 float32, 1 bfloat16. Tensors are contiguous rows; threads split rows.
  */
+/* AVX512 machines: use the 16-lane registers (GCC prefers 256-bit vectors for many -march) */
+#pragma GCC target("prefer-vector-width=512")
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -161,10 +163,16 @@ static inline float pow2i(int32_t q) {
     return f;
 }
 
-/* Sleef's xexpf (u10), lane for lane: same constants, same FMAs, same ldexp split */
+/* Sleef's xexpf (u10), lane for lane: same constants, same FMAs, same ldexp split. Written
+ * with selects and no libm rounding call so that GCC vectorises it. */
 static inline float sleef_expf(float d) {
-    const float clamped = fminf(fmaxf(d, -128.0f), 128.0f); /* results outside are overridden */
-    const float qf = rintf(clamped * 1.442695040888963407359924681001892137426645954152985934f);
+    /* q only matters inside [-104, 100] (results outside are overridden); the compares are
+     * false for NaN, which so gets a finite q too (and stays NaN through s) */
+    float c = d > -128.0f ? d : -128.0f;
+    c = c < 128.0f ? c : 128.0f;
+    /* round to nearest even, as Sleef's vrint: exact for |x| < 2^22 */
+    const float qf = (c * 1.442695040888963407359924681001892137426645954152985934f
+                      + 12582912.0f) - 12582912.0f;
     const int32_t q = (int32_t)qf;
     float s = fmaf(qf, -0.693145751953125f, d);
     s = fmaf(qf, -1.428606765330187045e-06f, s);
