@@ -55,8 +55,7 @@ def usable(*tensors: torch.Tensor) -> bool:
     first = tensors[0]
     if first.dtype not in _DTYPES:
         return False
-    if not all(t.device.type == "cpu" and t.dtype == first.dtype and t.is_contiguous()
-               for t in tensors):
+    if not all(t.is_cpu and t.dtype == first.dtype and t.is_contiguous() for t in tensors):
         return False
     return _library() is not None
 

@@ -35,12 +35,14 @@ static inline float bf2f(bf16_t b) {
     return f;
 }
 
+/* Round to nearest even. No NaN case: every float rounded here is the result of float32
+ * arithmetic on bf16 inputs, so a NaN is a widened bf16 NaN's payload or the default NaN,
+ * both with the low 16 bits zero: the rounding add cannot carry out of it, and NaN stays NaN
+ * (quiet, sign kept). */
 static inline bf16_t f2bf(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
-    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    uint32_t quiet_nan = (u >> 16) | 0x40u; /* keep the sign and payload's top, make it quiet */
-    return (bf16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+    return (bf16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
 static inline float round_bf(float f) { return bf2f(f2bf(f)); }
@@ -59,7 +61,8 @@ static int64_t ceil_log2(int64_t x) {
 /* sum(x[i]^2) in the order of torch's cascade_sum over a contiguous row (squares rounded to
  * float first, as h.pow(2) stores them). width 1: torch's scalar inner sum (rows shorter
  * than a vector); width `lanes`: its vectorised inner sum. */
-static float sum_squares(const float *restrict x, int64_t n, int64_t width) {
+static inline __attribute__((always_inline)) float sum_squares_w(const float *restrict x,
+                                                                  int64_t n, int64_t width) {
     const int64_t units = n / width, size_ilp = units / 4;
     float acc[4][4][MAX_LANES];
     memset(acc, 0, sizeof(acc));
@@ -101,6 +104,14 @@ static float sum_squares(const float *restrict x, int64_t n, int64_t width) {
     for (int64_t e = units * width; e < n; e++) total += x[e] * x[e];
     for (int64_t l = 0; l < width; l++) total += acc[0][0][l];
     return total;
+}
+
+/* width a compile-time constant in each call, so the accumulators live in registers */
+static float sum_squares(const float *restrict x, int64_t n, int64_t width) {
+    if (width == 8) return sum_squares_w(x, n, 8);
+    if (width == 16) return sum_squares_w(x, n, 16);
+    if (width == 4) return sum_squares_w(x, n, 4);
+    return sum_squares_w(x, n, 1);
 }
 
 /* 1 / sqrt(mean(h^2) + eps): torch's sum, then div_ by n, + eps, then rsqrt as 1 / sqrt */
