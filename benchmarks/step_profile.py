@@ -117,6 +117,7 @@ class StepProfiler:
         self._patch(runner.model, "forward", "model other")
         self._patch(runner.model, "compute_logits", "lm_head")
         self._patch(runner.model.rope, "apply", "rope")
+        self._patch(runner.model.rope, "apply_qk", "rope")
         self._patch(llama_module, "linear", "gemm")
         self._patch(engine_module, "sample", "sampling")
         self._patch(lora_module.LoraBatch, "__call__", "lora")

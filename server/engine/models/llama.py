@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from loraplex.kernels import cpu_elementwise
 from loraplex.kernels.metadata import AttentionMetadata
 from loraplex.server.engine.models.config import ModelConfig
 from loraplex.server.engine.models.rope import RotaryEmbedding
@@ -99,11 +100,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     return F.linear(x, weight, bias)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # As Hugging Face does it: normalise in float32, cast back, then scale.
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm ``weight * dtype(h * rsqrt(mean(h^2) + eps))``, ``h = float32(x)``:
+    ``x [T, n]``, ``weight [n]`` -> ``[T, n]`` in x's dtype. The fused C kernel on contiguous
+    CPU float32/bf16 tensors (kernels/cpu_elementwise.py, the same roundings), else torch."""
+    if cpu_elementwise.usable(x, weight):
+        return cpu_elementwise.rms_norm(x, weight, eps)
+    return _rms_norm_torch(x, weight, eps)
+
+
+def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """``hidden += delta`` (in place), then ``rms_norm(hidden, weight, eps)``: one pass over
+    ``[T, n]`` in the fused C kernel where ``rms_norm`` takes it."""
+    if cpu_elementwise.usable(hidden, delta, weight):
+        return cpu_elementwise.add_rms_norm(hidden, delta, weight, eps)
+    hidden += delta
+    return _rms_norm_torch(hidden, weight, eps)
 
 
 class LlamaModel:
@@ -134,16 +154,19 @@ class LlamaModel:
         cfg = self.config
         num_tokens = input_ids.shape[0]
         cos, sin = self.rope.cos_sin(positions)
+        eps, layers = cfg.rms_norm_eps, self.layers
         hidden = F.embedding(input_ids, self.embed)  # [T, hidden]
-        for i, w in enumerate(self.layers):
-            x = rms_norm(hidden, w.input_norm, cfg.rms_norm_eps)
+        # The residual stream: each norm runs fused with the residual add before it, so
+        # `x` (the next block's input) is always rms_norm of the updated `hidden`.
+        x = rms_norm(hidden, layers[0].input_norm, eps) if layers else hidden
+        for i, w in enumerate(layers):
             qkv = linear(x, w.qkv, w.qkv_bias)  # [T, q_size + 2 * kv_size]
             if ctx.lora is not None:
                 ctx.lora(i, "qkv", x, qkv)
-            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = self.rope.apply(q.view(num_tokens, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = self.rope.apply(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            q, k = self.rope.apply_qk(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads,
+                                      cfg.head_dim)
+            v = qkv[:, cfg.q_size + cfg.kv_size:].reshape(num_tokens, cfg.num_kv_heads,
+                                                          cfg.head_dim)
             pool = ctx.kv_pools[i]
             ctx.write_kv(pool, k, v, ctx.attn.slot_mapping, ctx.page_size)
             attn = ctx.attention(q, pool, ctx.attn, ctx.page_size, cfg.num_kv_heads, self.scale)
@@ -152,23 +175,31 @@ class LlamaModel:
             if ctx.lora is not None:
                 ctx.lora(i, "o", attn, o)
             if ctx.all_reduce is not None:
-                ctx.all_reduce(o)
-            hidden += o  # in place: hidden is this forward's own tensor
-            x = rms_norm(hidden, w.post_norm, cfg.rms_norm_eps)
+                ctx.all_reduce(o)  # the sum over ranks comes before the residual add
+            x = add_rms_norm(hidden, o, w.post_norm, eps)  # hidden is this forward's own
             gate_up = linear(x, w.gate_up, w.gate_up_bias)  # [T, 2 * intermediate]
             if ctx.lora is not None:
                 ctx.lora(i, "gate_up", x, gate_up)
-            gate, up = gate_up.chunk(2, dim=-1)
-            # SiLU in place on gate_up's own buffer (same values; one [T, intermediate]
-            # temporary fewer); the other activations are not all in-place ops
-            act = (F.silu(gate, inplace=True) if self.act is F.silu else self.act(gate)) * up
+            act = self._act_and_mul(gate_up)  # [T, intermediate]
             down = linear(act, w.down, w.down_bias)
             if ctx.lora is not None:
                 ctx.lora(i, "down", act, down)
             if ctx.all_reduce is not None:
                 ctx.all_reduce(down)
-            hidden += down
+            if i + 1 < len(layers):
+                x = add_rms_norm(hidden, down, layers[i + 1].input_norm, eps)
+            else:
+                hidden += down  # the final norm is compute_logits', on the rows it needs
         return hidden
+
+    def _act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``act(gate) * up`` of ``gate_up [T, 2 * I]`` -> ``[T, I]``."""
+        if self.act is F.silu and cpu_elementwise.usable(gate_up):
+            return cpu_elementwise.silu_and_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        # SiLU in place on gate_up's own buffer (same values; one [T, intermediate]
+        # temporary fewer); the other activations are not all in-place ops
+        return (F.silu(gate, inplace=True) if self.act is F.silu else self.act(gate)) * up
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> float32 logits ``[N, vocab]`` (final norm included)."""

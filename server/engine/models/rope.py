@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from loraplex.kernels import cpu_elementwise
 from loraplex.server.engine.models.config import ModelConfig
 
 
@@ -48,6 +49,23 @@ class RotaryEmbedding:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def apply_qk(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                 num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The q and k heads of a fused ``qkv [T, (num_heads + 2 * num_kv_heads) * head_dim]``,
+        rotated: ``q [T, num_heads, head_dim]``, ``k [T, num_kv_heads, head_dim]`` (new tensors,
+        ``qkv`` unchanged); ``cos``/``sin [T, head_dim]`` from ``cos_sin``.
+
+        One native call for both (``kernels/cpu_elementwise.rope_qk``, the same roundings as
+        ``apply``) on contiguous CPU float32/bf16 tensors; ``apply`` on each otherwise.
+        """
+        if cpu_elementwise.usable(qkv, cos, sin):
+            return cpu_elementwise.rope_qk(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
+        num_tokens, q_size = qkv.shape[0], num_heads * head_dim
+        q = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
+        k = qkv[:, q_size:q_size + num_kv_heads * head_dim].view(num_tokens, num_kv_heads,
+                                                                 head_dim)
+        return self.apply(q, cos, sin), self.apply(k, cos, sin)
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

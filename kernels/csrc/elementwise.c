@@ -1,0 +1,280 @@
+/* Fused elementwise ops of the Llama forward pass on CPU: RMSNorm (with the residual add),
+ * SiLU(gate) * up and RoPE, each one pass over a row instead of torch's three to five.
+ *
+ * Every op reproduces the roundings of the torch code it replaces (llama.py, rope.py), so the
+ * results are bit-identical to it with one torch thread on AVX2/AVX512 machines:
+ *   - float32 math; a bfloat16 value becomes float as (bits << 16) and a float becomes bf16
+ *     by round-to-nearest-even, at exactly the points where torch's bf16 ops round;
+ *   - the RMSNorm sum of squares follows torch's cascade sum (aten/src/ATen/native/cpu/
+ *     SumKernel.cpp: `lanes`-wide vector accumulators, 4-way ILP, a 4-level cascade, then the
+ *     scalar tail and the lanes in order), `lanes` being torch's Vectorized<float>::size();
+ *   - exp in SiLU is Sleef's expf_u10 (what torch's vectorised silu calls, FMA form) on the
+ *     elements torch's vector loop covers, libm's expf on the row's tail that torch's scalar
+ *     loop covers (`vec_block` elements per vector iteration).
+ * Built with -std=c11, so GCC does not contract a*b+c into fma behind our back (that would
+ * change roundings); the fmaf calls below are the ones Sleef makes.
+ *
+ * dtype codes: 0 float32, 1 bfloat16. Tensors are contiguous rows; threads split rows.
+ */
+/* AVX512 machines: use the 16-lane registers (GCC prefers 256-bit vectors for many -march) */
+#pragma GCC target("prefer-vector-width=512")
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef __clang__
+#pragma STDC FP_CONTRACT OFF /* clang contracts within expressions by default */
+#endif
+
+typedef uint16_t bf16_t;
+
+static inline float bf2f(bf16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Round to nearest even. No NaN case: every float rounded here is the result of float32
+ * arithmetic on bf16 inputs, so a NaN is a widened bf16 NaN's payload or the default NaN,
+ * both with the low 16 bits zero: the rounding add cannot carry out of it, and NaN stays NaN
+ * (quiet, sign kept). */
+static inline bf16_t f2bf(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (bf16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float round_bf(float f) { return bf2f(f2bf(f)); }
+
+/* ---- RMSNorm ---------------------------------------------------------------------------- */
+
+static int64_t ceil_log2(int64_t x) {
+    if (x <= 2) return 1;
+    int64_t r = 0;
+    for (uint64_t v = (uint64_t)(x - 1); v; v >>= 1) r++;
+    return r;
+}
+
+#define MAX_LANES 16
+
+/* sum(x[i]^2) in the order of torch's cascade_sum over a contiguous row (squares rounded to
+ * float first, as h.pow(2) stores them). width 1: torch's scalar inner sum (rows shorter
+ * than a vector); width `lanes`: its vectorised inner sum. */
+static inline __attribute__((always_inline)) float sum_squares_w(const float *restrict x,
+                                                                  int64_t n, int64_t width) {
+    const int64_t units = n / width, size_ilp = units / 4;
+    float acc[4][4][MAX_LANES];
+    memset(acc, 0, sizeof(acc));
+    int64_t level_power = ceil_log2(size_ilp) / 4;
+    if (level_power < 4) level_power = 4;
+    const int64_t step = (int64_t)1 << level_power, mask = step - 1;
+    int64_t i = 0;
+    while (i + step <= size_ilp) {
+        for (int64_t j = 0; j < step; j++, i++)
+            for (int64_t k = 0; k < 4; k++) {
+                const float *v = x + (i * 4 + k) * width;
+                for (int64_t l = 0; l < width; l++) acc[0][k][l] += v[l] * v[l];
+            }
+        for (int64_t j = 1; j < 4; j++) {
+            for (int64_t k = 0; k < 4; k++)
+                for (int64_t l = 0; l < width; l++) {
+                    acc[j][k][l] += acc[j - 1][k][l];
+                    acc[j - 1][k][l] = 0.0f;
+                }
+            if ((i & (mask << (j * level_power))) != 0) break;
+        }
+    }
+    for (; i < size_ilp; i++)
+        for (int64_t k = 0; k < 4; k++) {
+            const float *v = x + (i * 4 + k) * width;
+            for (int64_t l = 0; l < width; l++) acc[0][k][l] += v[l] * v[l];
+        }
+    for (int64_t j = 1; j < 4; j++)
+        for (int64_t k = 0; k < 4; k++)
+            for (int64_t l = 0; l < width; l++) acc[0][k][l] += acc[j][k][l];
+    for (int64_t u = size_ilp * 4; u < units; u++) {
+        const float *v = x + u * width;
+        for (int64_t l = 0; l < width; l++) acc[0][0][l] += v[l] * v[l];
+    }
+    for (int64_t k = 1; k < 4; k++)
+        for (int64_t l = 0; l < width; l++) acc[0][0][l] += acc[0][k][l];
+    if (width == 1) return acc[0][0][0];
+    float total = 0.0f;
+    for (int64_t e = units * width; e < n; e++) total += x[e] * x[e];
+    for (int64_t l = 0; l < width; l++) total += acc[0][0][l];
+    return total;
+}
+
+/* width a compile-time constant in each call, so the accumulators live in registers */
+static float sum_squares(const float *restrict x, int64_t n, int64_t width) {
+    if (width == 8) return sum_squares_w(x, n, 8);
+    if (width == 16) return sum_squares_w(x, n, 16);
+    if (width == 4) return sum_squares_w(x, n, 4);
+    return sum_squares_w(x, n, 1);
+}
+
+/* 1 / sqrt(mean(h^2) + eps): torch's sum, then div_ by n, + eps, then rsqrt as 1 / sqrt */
+static inline float inv_rms(const float *restrict h, int64_t n, float eps, int64_t lanes) {
+    float total = sum_squares(h, n, n >= lanes ? lanes : 1);
+    return 1.0f / sqrtf(total / (float)n + eps);
+}
+
+/* out = weight * bf16(h * r) in bf16, weight * (h * r) in float32 (HF's rms_norm) */
+static void normalise_f32(const float *restrict h, const float *restrict w,
+                          float *restrict out, int64_t n, float r) {
+    for (int64_t i = 0; i < n; i++) out[i] = w[i] * (h[i] * r);
+}
+
+static void normalise_bf16(const float *restrict h, const bf16_t *restrict w,
+                           bf16_t *restrict out, int64_t n, float r) {
+    for (int64_t i = 0; i < n; i++) out[i] = f2bf(bf2f(w[i]) * round_bf(h[i] * r));
+}
+
+/* Semantics: hidden[t] += delta[t] (when delta is not NULL), out[t] = rms_norm(hidden[t]).
+ * hidden, delta, out: [rows, n] contiguous; weight: [n]; all of `dtype`. */
+void loraplex_add_rms_norm(int dtype, void *hidden, const void *delta, const void *weight,
+                           void *out, int64_t rows, int64_t n, float eps, int64_t lanes,
+                           int threads) {
+    if (lanes > MAX_LANES) lanes = MAX_LANES;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t t = 0; t < rows; t++) {
+        if (dtype == 0) {
+            float *h = (float *)hidden + t * n;
+            if (delta) {
+                const float *d = (const float *)delta + t * n;
+                for (int64_t i = 0; i < n; i++) h[i] += d[i];
+            }
+            normalise_f32(h, (const float *)weight, (float *)out + t * n, n,
+                          inv_rms(h, n, eps, lanes));
+        } else {
+            bf16_t *h = (bf16_t *)hidden + t * n;
+            float buf[n]; /* the row in float32: h.to(float32), then reused to normalise */
+            if (delta) {
+                const bf16_t *d = (const bf16_t *)delta + t * n;
+                for (int64_t i = 0; i < n; i++) {
+                    h[i] = f2bf(bf2f(h[i]) + bf2f(d[i]));
+                    buf[i] = bf2f(h[i]);
+                }
+            } else {
+                for (int64_t i = 0; i < n; i++) buf[i] = bf2f(h[i]);
+            }
+            normalise_bf16(buf, (const bf16_t *)weight, (bf16_t *)out + t * n, n,
+                           inv_rms(buf, n, eps, lanes));
+        }
+    }
+}
+
+/* ---- SiLU(gate) * up -------------------------------------------------------------------- */
+
+static inline float pow2i(int32_t q) {
+    uint32_t u = (uint32_t)(q + 0x7f) << 23;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Sleef's xexpf (u10), lane for lane: same constants, same FMAs, same ldexp split. Written
+ * with selects and no libm rounding call so that GCC vectorises it. */
+static inline float sleef_expf(float d) {
+    /* q only matters inside [-104, 100] (results outside are overridden); the compares are
+     * false for NaN, which so gets a finite q too (and stays NaN through s) */
+    float c = d > -128.0f ? d : -128.0f;
+    c = c < 128.0f ? c : 128.0f;
+    /* round to nearest even, as Sleef's vrint: exact for |x| < 2^22 */
+    const float qf = (c * 1.442695040888963407359924681001892137426645954152985934f
+                      + 12582912.0f) - 12582912.0f;
+    const int32_t q = (int32_t)qf;
+    float s = fmaf(qf, -0.693145751953125f, d);
+    s = fmaf(qf, -1.428606765330187045e-06f, s);
+    float u = 0.000198527617612853646278381f;
+    u = fmaf(u, s, 0.00139304355252534151077271f);
+    u = fmaf(u, s, 0.00833336077630519866943359f);
+    u = fmaf(u, s, 0.0416664853692054748535156f);
+    u = fmaf(u, s, 0.166666671633720397949219f);
+    u = fmaf(u, s, 0.5f);
+    u = 1.0f + fmaf(s * s, u, s);
+    u = (u * pow2i(q >> 1)) * pow2i(q - (q >> 1));
+    u = d < -104.0f ? 0.0f : u;
+    return 100.0f < d ? INFINITY : u;
+}
+
+/* Semantics: out[t, j] = silu(x[t, j]) * x[t, inter + j], silu(g) = g / (1 + exp(-g)), with
+ * silu rounded to the dtype before the product (torch's in-place F.silu, then `* up`).
+ * gate_up: [rows, 2 * inter]; out: [rows, inter]; vec_block: elements per iteration of
+ * torch's vector loop (2 * Vectorized<scalar_t>::size()): the first inter - inter % vec_block
+ * of a row take Sleef's exp, the rest libm's. */
+void loraplex_silu_and_mul(int dtype, const void *gate_up, void *out, int64_t rows,
+                           int64_t inter, int64_t vec_block, int threads) {
+    const int64_t vec_end = vec_block > 0 ? inter - inter % vec_block : 0;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t t = 0; t < rows; t++) {
+        if (dtype == 0) {
+            const float *restrict g = (const float *)gate_up + t * 2 * inter;
+            const float *restrict up = g + inter;
+            float *restrict o = (float *)out + t * inter;
+            for (int64_t j = 0; j < vec_end; j++) o[j] = g[j] / (1.0f + sleef_expf(-g[j])) * up[j];
+            for (int64_t j = vec_end; j < inter; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * up[j];
+        } else {
+            const bf16_t *restrict g = (const bf16_t *)gate_up + t * 2 * inter;
+            const bf16_t *restrict up = g + inter;
+            bf16_t *restrict o = (bf16_t *)out + t * inter;
+            for (int64_t j = 0; j < vec_end; j++) {
+                const float x = bf2f(g[j]);
+                o[j] = f2bf(round_bf(x / (1.0f + sleef_expf(-x))) * bf2f(up[j]));
+            }
+            for (int64_t j = vec_end; j < inter; j++) {
+                const float x = bf2f(g[j]);
+                o[j] = f2bf(round_bf(x / (1.0f + expf(-x))) * bf2f(up[j]));
+            }
+        }
+    }
+}
+
+/* ---- RoPE ------------------------------------------------------------------------------- */
+
+/* One head: out = [x1 * c - x2 * s, x2 * c + x1 * s] (rotate_half's roundings: each product
+ * rounded, then the sum rounded); c = cos[:half] (= cos[half:]), s = sin[:half]. */
+static inline void rotate_f32(const float *restrict x, const float *restrict c,
+                              const float *restrict s, float *restrict out, int64_t half) {
+    for (int64_t j = 0; j < half; j++) {
+        out[j] = x[j] * c[j] - x[j + half] * s[j];
+        out[j + half] = x[j + half] * c[j + half] + x[j] * s[j];
+    }
+}
+
+static inline void rotate_bf16(const bf16_t *restrict x, const bf16_t *restrict c,
+                               const bf16_t *restrict s, bf16_t *restrict out, int64_t half) {
+    for (int64_t j = 0; j < half; j++) {
+        const float x1 = bf2f(x[j]), x2 = bf2f(x[j + half]), sj = bf2f(s[j]);
+        out[j] = f2bf(round_bf(x1 * bf2f(c[j])) - round_bf(x2 * sj));
+        out[j + half] = f2bf(round_bf(x2 * bf2f(c[j + half])) + round_bf(x1 * sj));
+    }
+}
+
+/* Semantics: q_out[t, h] = rope(qkv[t, h * D : (h + 1) * D]) for the num_heads query heads and
+ * k_out[t, h] likewise for the num_kv_heads key heads that follow them in the row.
+ * qkv: [rows, qkv_stride] (q then k then v); cos, sin: [rows, D]; q_out: [rows, num_heads, D];
+ * k_out: [rows, num_kv_heads, D]; all of `dtype`, D = head_dim even. */
+void loraplex_rope_qk(int dtype, const void *qkv, int64_t qkv_stride, const void *cos,
+                      const void *sin, void *q_out, void *k_out, int64_t rows,
+                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int threads) {
+    const int64_t half = head_dim / 2, heads = num_heads + num_kv_heads;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t t = 0; t < rows; t++) {
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t src = t * qkv_stride + h * head_dim;
+            const int64_t dst = h < num_heads ? (t * num_heads + h) * head_dim
+                                              : (t * num_kv_heads + h - num_heads) * head_dim;
+            if (dtype == 0) {
+                float *o = h < num_heads ? (float *)q_out : (float *)k_out;
+                rotate_f32((const float *)qkv + src, (const float *)cos + t * head_dim,
+                           (const float *)sin + t * head_dim, o + dst, half);
+            } else {
+                bf16_t *o = h < num_heads ? (bf16_t *)q_out : (bf16_t *)k_out;
+                rotate_bf16((const bf16_t *)qkv + src, (const bf16_t *)cos + t * head_dim,
+                            (const bf16_t *)sin + t * head_dim, o + dst, half);
+            }
+        }
+    }
+}

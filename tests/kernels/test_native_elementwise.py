@@ -1,0 +1,230 @@
+"""The fused C elementwise ops (kernels/cpu_elementwise.py) against the torch code they replace.
+
+Tolerances: on an x86 CPU where torch dispatches to AVX2 or AVX512 kernels the ops reproduce
+torch's roundings exactly (the RMSNorm sum of squares in torch's cascade order, Sleef's exp in
+SiLU's vector body, libm's in its tail), so the tests ask for bit equality there, NaN for NaN.
+Elsewhere torch's vector width (and so its sum order and loop tails) is not modelled: float32
+may differ by a few ulp of the sum of squares, bf16 by one bf16 ulp where that flips a
+rounding; the `_close` tolerances say so.
+
+The torch references run on one thread: torch's own SiLU splits its vector body and scalar tail
+where its thread chunks fall, so its bits depend on the thread count; the native ops' do not.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loraplex.kernels import cpu_elementwise, native
+from loraplex.server.engine.models import llama
+from loraplex.server.engine.models.rope import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(not cpu_elementwise.available(),
+                                reason="no C compiler: the native kernels do not build")
+
+EXACT = (platform.machine() in ("x86_64", "AMD64")
+         and torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512")))
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    if EXACT:
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
+    elif actual.dtype == torch.bfloat16:
+        torch.testing.assert_close(actual, expected, rtol=2 ** -7, atol=1e-6, equal_nan=True)
+    else:
+        torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-7, equal_nan=True)
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def _one_thread(fn, *args):
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.clone().chunk(2, dim=-1)
+    return F.silu(gate, inplace=True) * up
+
+
+def _rope_torch(qkv, cos, sin, heads, kv_heads, dim):
+    t = qkv.shape[0]
+    q = qkv[:, :heads * dim].reshape(t, heads, dim)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].reshape(t, kv_heads, dim)
+    return RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+
+
+def _tables(positions: torch.Tensor, dim: int, dtype: torch.dtype):
+    inv = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    freqs = positions.to(torch.float32)[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [7, 133, 576, 1000, 4096])
+@pytest.mark.parametrize("rows", [1, 3, 257])
+def test_rms_norm_and_add_rms_norm(dtype, n, rows, threads):
+    g = torch.Generator().manual_seed(n * 1000 + rows)
+    hidden = (torch.randn(rows, n, generator=g) * 3).to(dtype)
+    delta = torch.randn(rows, n, generator=g).to(dtype)
+    weight = (1 + torch.randn(n, generator=g) / 4).to(dtype)
+    expected = _one_thread(llama._rms_norm_torch, hidden, weight, 1e-5)
+    expected_sum = hidden + delta
+    expected_add = _one_thread(llama._rms_norm_torch, expected_sum, weight, 1e-5)
+    torch.set_num_threads(threads)
+
+    before = hidden.clone()
+    _close(cpu_elementwise.rms_norm(hidden, weight, 1e-5), expected)
+    assert torch.equal(hidden, before)  # rms_norm leaves its input alone
+    out = cpu_elementwise.add_rms_norm(hidden, delta, weight, 1e-5)
+    assert torch.equal(hidden, expected_sum)  # the residual add: one rounding, in place
+    _close(out, expected_add)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [7, 48, 133, 576, 1000, 1536])
+@pytest.mark.parametrize("rows", [1, 3, 257])
+def test_silu_and_mul(dtype, inter, rows, threads):
+    g = torch.Generator().manual_seed(inter * 1000 + rows)
+    gate_up = (torch.randn(rows, 2 * inter, generator=g) * 4).to(dtype)
+    expected = _one_thread(_silu_mul_torch, gate_up)
+    torch.set_num_threads(threads)
+    before = gate_up.clone()
+    _close(cpu_elementwise.silu_and_mul(gate_up), expected)
+    assert torch.equal(gate_up, before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,heads,kv_heads,dim", [
+    (1, 9, 3, 64), (3, 4, 4, 10), (257, 9, 3, 64), (5, 2, 1, 128)])
+def test_rope_qk(dtype, rows, heads, kv_heads, dim, threads):
+    g = torch.Generator().manual_seed(rows * dim)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    cos, sin = _tables(torch.randint(0, 5000, (rows,), generator=g), dim, dtype)
+    expected_q, expected_k = _rope_torch(qkv, cos, sin, heads, kv_heads, dim)
+    torch.set_num_threads(threads)
+    q, k = cpu_elementwise.rope_qk(qkv, cos, sin, heads, kv_heads, dim)
+    assert q.shape == (rows, heads, dim) and k.shape == (rows, kv_heads, dim)
+    # The rotation is elementwise products and sums: bit-equal on every CPU.
+    torch.testing.assert_close(q, expected_q, rtol=0, atol=0)
+    torch.testing.assert_close(k, expected_k, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_and_inf_propagate_as_torch(dtype):
+    specials = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 1e30, -1e30])
+    x = torch.randn(6, 40).to(dtype)
+    x[0, 3], x[1, 0], x[2, 39], x[3, 5] = float("nan"), float("inf"), float("-inf"), 1e30
+    weight = torch.ones(40, dtype=dtype)
+    _close(cpu_elementwise.rms_norm(x, weight, 1e-6), llama._rms_norm_torch(x, weight, 1e-6))
+    delta = torch.zeros_like(x)
+    delta[4, 7], delta[5, 8] = float("inf"), float("-inf")
+    expected = llama._rms_norm_torch(x + delta, weight, 1e-6)
+    _close(cpu_elementwise.add_rms_norm(x, delta, weight, 1e-6), expected)
+
+    gate_up = torch.randn(3, 2 * 70).to(dtype)
+    gate_up[0, :7], gate_up[1, 70:77], gate_up[2, 64:71] = specials, specials, specials
+    _close(cpu_elementwise.silu_and_mul(gate_up), _silu_mul_torch(gate_up))
+
+    qkv = torch.randn(2, 4 * 8).to(dtype)
+    qkv[0, :7], qkv[1, 9:16] = specials, specials
+    cos, sin = _tables(torch.tensor([3, 7]), 8, dtype)
+    for got, want in zip(cpu_elementwise.rope_qk(qkv, cos, sin, 1, 1, 8),
+                         _rope_torch(qkv, cos, sin, 1, 1, 8), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_refuses_what_it_does_not_take():
+    x = torch.randn(4, 16)
+    assert not cpu_elementwise.usable(x.half(), torch.ones(16).half())
+    assert not cpu_elementwise.usable(x[:, :8], torch.ones(8))  # rows with a stride
+    assert not cpu_elementwise.usable(x, torch.ones(16, dtype=torch.bfloat16))  # mixed dtypes
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_elementwise.rms_norm(x.t(), torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="add_rms_norm"):
+        cpu_elementwise.rms_norm(x, torch.ones(15), 1e-6)
+    with pytest.raises(ValueError, match="odd"):
+        cpu_elementwise.silu_and_mul(torch.randn(2, 7))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_model_ops_take_the_native_path_and_the_switch_turns_it_off(dtype, monkeypatch):
+    # llama.py and rope.py route through the native ops when they load, and
+    # LORAPLEX_NATIVE_KERNELS=0 (a fresh load) puts them back on torch with the same values.
+    calls: list[str] = []
+    for name in ("add_rms_norm", "silu_and_mul", "rope_qk"):
+        original = getattr(cpu_elementwise, name)
+        monkeypatch.setattr(cpu_elementwise, name,
+                            lambda *a, _o=original, _n=name: (calls.append(_n), _o(*a))[1])
+    hidden = torch.randn(5, 133).to(dtype)
+    delta, weight = torch.randn(5, 133).to(dtype), torch.randn(133).to(dtype)
+    gate_up, qkv = torch.randn(5, 2 * 96).to(dtype), torch.randn(5, 5 * 16).to(dtype)
+    cos, sin = _tables(torch.arange(5), 16, dtype)
+
+    class _Act:
+        act = staticmethod(F.silu)
+
+    def run():
+        h = hidden.clone()
+        rope = RotaryEmbedding.__new__(RotaryEmbedding)
+        return (llama.rms_norm(hidden, weight, 1e-5), llama.add_rms_norm(h, delta, weight, 1e-5),
+                h, llama.LlamaModel._act_and_mul(_Act(), gate_up),
+                *rope.apply_qk(qkv, cos, sin, 3, 1, 16))
+
+    native_out = run()
+    assert calls == ["add_rms_norm", "add_rms_norm", "silu_and_mul", "rope_qk"]
+    monkeypatch.setenv("LORAPLEX_NATIVE_KERNELS", "0")
+    monkeypatch.setattr(native, "_loaded", {})
+    assert not cpu_elementwise.available()
+    calls.clear()
+    torch_out = run()
+    assert calls == []
+    for a, b in zip(native_out, torch_out, strict=True):
+        _close(a, b)
+
+
+@pytest.mark.skipif(not EXACT, reason="bit equality with torch holds on AVX2/AVX512 x86")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_output_is_bit_identical_with_native_kernels_off(tmp_path, dtype, monkeypatch):
+    # The whole forward (prefill chunks and decodes of several requests, GQA, a residual
+    # stream through every fused op) gives the same tokens and logprobs, to the bit, as the
+    # torch ops: the fused ops change no rounding.
+    from loraplex.server.config import EngineConfig, SchedulerConfig
+    from loraplex.server.engine.engine import Engine
+    from loraplex.server.engine.request import SamplingParams
+    from tests.helpers import make_model, random_prompts
+
+    model = make_model(tmp_path / "m", "llama", seed=5)
+    prompts = random_prompts(4, seed=2, low=5, high=30)
+
+    def generate():
+        engine = Engine(EngineConfig(model=str(model), num_pages=64, dtype=dtype,
+                                     scheduler=SchedulerConfig(page_size=4)))
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, SamplingParams(max_tokens=6, ignore_eos=True,
+                                                          logprobs=2, prompt_logprobs=1))
+        got: dict[str, list] = {f"r{i}": [] for i in range(len(prompts))}
+        while engine.has_unfinished():
+            for out in engine.step():
+                got[out.request_id] += [out.new_token_ids, out.logprobs, out.prompt_logprobs]
+        return got
+
+    with_native = generate()
+    monkeypatch.setenv("LORAPLEX_NATIVE_KERNELS", "0")
+    monkeypatch.setattr(native, "_loaded", {})
+    assert generate() == with_native
