@@ -225,6 +225,8 @@ def test_engine_output_is_bit_identical_with_native_kernels_off(tmp_path, dtype,
         return got
 
     with_native = generate()
-    monkeypatch.setenv("LORAPLEX_NATIVE_KERNELS", "0")
-    monkeypatch.setattr(native, "_loaded", {})
+    # only the elementwise ops go back to torch: the other native kernels (decode attention,
+    # LoRA) sum in another order than torch's and are tested against it with tolerances
+    assert native._loaded.get("elementwise") is not None
+    monkeypatch.setitem(native._loaded, "elementwise", None)
     assert generate() == with_native
