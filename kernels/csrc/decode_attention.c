@@ -18,16 +18,32 @@
  *     q_rows, table_rows, seq_lens: [num_seqs] int64
  *     out:        [T, Hq, D], token stride out_stride; only the q_rows rows are written
  *
- * Each task is one (sequence, KV head) pair: its G query heads are scored together, so each K
- * and V row is read once per KV head, not once per query head. Two passes (scores, then the
- * weighted V sum) over a per-thread buffer of G * max(L) scores.
+ * Each task is a sequence and a block of its KV heads (all of them when there are enough
+ * sequences to keep every thread busy, else one): a token's K (V) of the block is one
+ * contiguous run, read once from memory; the G query heads of each KV head are scored against
+ * it while it sits in L1, so each K and V row is read once per KV head, not once per query
+ * head. Two passes per page (scores, then the weighted V sum) with the next page prefetched:
+ * a sequence's pages lie anywhere in the pool, so the hardware prefetcher loses the stream at
+ * every page boundary. Scores live in a per-thread buffer of (block heads) * max(L) floats.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+/* -std=c11 turns off contracting a * b + c into one FMA; these loops are sums of products. */
+#pragma GCC optimize("fp-contract=fast")
+
 #define INLINE static inline __attribute__((always_inline))
+
+/* GCC/clang vector types: 16 floats (one AVX-512 register, two AVX2 ones); the head-size fast
+ * paths (D = 64, 128) keep a query head and a running sum in registers as D / 16 of these. */
+typedef float v16f __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
 
 INLINE float bf16_to_f32(uint16_t bits) {
     uint32_t u = (uint32_t)bits << 16;
@@ -50,157 +66,226 @@ INLINE float load(const void *row, int64_t i, int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t *)row)[i]) : ((const float *)row)[i];
 }
 
-/* exp(x) for x <= 0 (scores minus their maximum), Cephes' expf: x = n ln2 + r with
- * |r| <= ln2 / 2, a degree-6 polynomial for e^r, 2^n built in the exponent bits; within 2 ulp
- * of expf. Written branch-free so gcc vectorises it (glibc's expf is a scalar call). Below
- * -87 the result is clamped to e^-87 (~1.6e-38), nothing next to the sum's largest term, 1. */
-INLINE float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f;
+/* Chunk c (16 elements) of a row, widened to float32. */
+INLINE v16f load16(const void *row, int c, int bf16) {
+    if (bf16) {
+        v16h h;
+        memcpy(&h, (const uint16_t *)row + 16 * c, sizeof h);
+        return (v16f)(__builtin_convertvector(h, v16u) << 16);
+    }
+    v16f f;
+    memcpy(&f, (const float *)row + 16 * c, sizeof f);
+    return f;
+}
+
+INLINE float hsum16(v16f v) {
+    v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
+            + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* Prefetch n_bytes from p, one cache line each. */
+/* exp(x) for x <= 0 (scores minus their maximum), 16 at a time: Cephes' expf, x = n ln2 + r
+ * with |r| <= ln2 / 2, a degree-6 polynomial for e^r, 2^n built in the exponent bits; within
+ * 2 ulp of expf. Explicit vectors because glibc's expf is a scalar call in gcc's eyes. Below
+ * -87 (e^-87 ~ 1.6e-38, nothing next to the largest term, 1) the result is 0, so -inf gives 0
+ * (padding lanes); NaN stays NaN (a NaN score must poison its row, as in the reference). */
+INLINE v16f exp16(v16f x) {
+    const v16i live = (x >= -87.0f) | (x != x); /* all ones where kept; NaN stays NaN */
+    x = (v16f)(((v16i)x & live) | ((v16i)((v16f){0} - 87.0f) & ~live));
+    /* round to nearest by the 1.5 * 2^23 trick (|x log2 e| < 2^22; any rounding mode works) */
+    const v16f n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    v16f r = x - n * 0.693359375f;
     r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
+    v16f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
+    const v16i two_n = (__builtin_convertvector(n, v16i) + 127) << 23;
+    return (v16f)((v16i)(p * (v16f)two_n) & live);
 }
 
-/* One (sequence, KV head) task. qf: [G, D] the query heads in float32; scores: [G, L]. */
-INLINE void attend(const void *restrict pool, const int32_t *restrict pages, int64_t len,
-                   int h, int Hkv, int G, int D, int P, float scale, int bf16,
-                   const float *restrict qf, float *restrict scores, float *restrict acc) {
-    const int64_t row_elems = (int64_t)Hkv * D;  /* one token's K (or V) of every head */
-    const int64_t page_elems = 2 * (int64_t)P * row_elems;
-    const int64_t esize = bf16 ? 2 : 4;
-    const char *base = (const char *)pool;
+INLINE void prefetch_bytes(const char *p, int64_t n_bytes) {
+    for (int64_t b = 0; b < n_bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+}
 
-    for (int64_t p0 = 0, pi = 0; p0 < len; p0 += P, pi++) {
-        const int64_t n = len - p0 < P ? len - p0 : P;
-        const int64_t k0 = (int64_t)pages[pi] * page_elems + h * (int64_t)D;
-        for (int64_t o = 0; o < n; o++) {
-            const void *k = base + (k0 + o * row_elems) * esize;
-            for (int g = 0; g < G; g++) {
-                const float *qg = qf + (int64_t)g * D;
-                float s = 0.0f;
+/* dot(qf, row) for one head: D floats against D elements of a K row. */
+INLINE float dot_row(const float *restrict qf, const char *row, int D, int bf16) {
+    if (D % 16 == 0 && D <= 128) { /* the fast paths: D a constant here */
+        v16f q0, s;
+        memcpy(&q0, qf, sizeof q0);
+        s = q0 * load16(row, 0, bf16);
+        for (int c = 1; c < D / 16; c++) {
+            v16f qc;
+            memcpy(&qc, qf + 16 * c, sizeof qc);
+            s += qc * load16(row, c, bf16);
+        }
+        return hsum16(s);
+    }
+    float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-                for (int d = 0; d < D; d++) s += qg[d] * load(k, d, bf16);
-                scores[(int64_t)g * len + p0 + o] = s * scale;
-            }
-        }
-    }
+    for (int d = 0; d < D; d++) s += qf[d] * load(row, d, bf16);
+    return s;
+}
 
-    float inv_sum[G];
-    for (int g = 0; g < G; g++) {
-        float *sg = scores + (int64_t)g * len;
-        float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-        for (int64_t p = 0; p < len; p++) m = sg[p] > m ? sg[p] : m;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t p = 0; p < len; p++) {
-            sg[p] = exp_nonpositive(sg[p] - m);
-            sum += sg[p];
+/* acc (D floats) = acc * corr + sum_o w[o] * V row o, for n V rows `stride` bytes apart. */
+INLINE void accumulate_rows(float *restrict acc, float corr, const char *v, int64_t n,
+                            int64_t stride, int D, int bf16, const float *restrict w) {
+    if (D % 16 == 0 && D <= 128) { /* the running sum in registers */
+        v16f a[8];
+        for (int c = 0; c < D / 16; c++) {
+            memcpy(&a[c], acc + 16 * c, sizeof a[c]);
+            a[c] *= corr;
         }
-        inv_sum[g] = 1.0f / sum;
+        for (int64_t o = 0; o < n; o++)
+            for (int c = 0; c < D / 16; c++) a[c] += w[o] * load16(v + o * stride, c, bf16);
+        for (int c = 0; c < D / 16; c++) memcpy(acc + 16 * c, &a[c], sizeof a[c]);
+        return;
     }
+#pragma omp simd
+    for (int d = 0; d < D; d++) acc[d] *= corr;
+    for (int64_t o = 0; o < n; o++) {
+#pragma omp simd
+        for (int d = 0; d < D; d++) acc[d] += w[o] * load(v + o * stride, d, bf16);
+    }
+}
 
-    memset(acc, 0, sizeof(float) * (size_t)G * (size_t)D);
+/* One task: KV heads h0 .. h0 + nh - 1 of one sequence (query heads h0 * G .. (h0 + nh) * G - 1),
+ * page by page with an online softmax: per query head a running maximum m and sum l, the
+ * running output rescaled by e^(m_old - m_new) when m grows (flash-decoding's recurrence), so
+ * each page's K and V are read once, together, while the next page's are being fetched.
+ * qf: [nh * G, D] the queries in float32; scores: [nh * G, P rounded up to 16]; ml: [2, nh * G];
+ * acc: [nh * G, D], the result. */
+INLINE void attend(const void *restrict pool, const int32_t *restrict pages, int64_t len,
+                   int h0, int nh, int Hkv, int G, int D, int P, float scale, int bf16,
+                   const float *restrict qf, float *restrict scores, float *restrict ml,
+                   float *restrict acc) {
+    const int64_t esize = bf16 ? 2 : 4;
+    const int64_t stride = (int64_t)Hkv * D * esize; /* bytes of one token's K (or V) */
+    const int64_t half_bytes = (int64_t)P * stride, block_bytes = (int64_t)nh * D * esize;
+    const int nq = nh * G;
+    const int64_t P16 = (P + 15) / 16 * 16; /* scores row stride */
+    const char *base = (const char *)pool + (int64_t)h0 * D * esize;
+    float *m = ml, *l = ml + nq;
+    for (int j = 0; j < nq; j++) m[j] = -INFINITY, l[j] = 0.0f;
+    memset(acc, 0, sizeof(float) * (size_t)nq * (size_t)D);
+
+    const int64_t first = len < P ? len : P;
+    for (int64_t o = 0; o < first; o++) {
+        prefetch_bytes(base + (int64_t)pages[0] * 2 * half_bytes + o * stride, block_bytes);
+        prefetch_bytes(base + (int64_t)pages[0] * 2 * half_bytes + half_bytes + o * stride,
+                       block_bytes);
+    }
     for (int64_t p0 = 0, pi = 0; p0 < len; p0 += P, pi++) {
         const int64_t n = len - p0 < P ? len - p0 : P;
-        const int64_t v0 = (int64_t)pages[pi] * page_elems + (int64_t)P * row_elems
-                           + h * (int64_t)D;
+        const int64_t next = len - p0 - P < P ? len - p0 - P : P; /* rows of the next page */
+        const char *k = base + (int64_t)pages[pi] * 2 * half_bytes, *v = k + half_bytes;
+        const char *k_next = next > 0 ? base + (int64_t)pages[pi + 1] * 2 * half_bytes : NULL;
         for (int64_t o = 0; o < n; o++) {
-            const void *v = base + (v0 + o * row_elems) * esize;
-            for (int g = 0; g < G; g++) {
-                const float w = scores[(int64_t)g * len + p0 + o];
-                float *ag = acc + (int64_t)g * D;
-#pragma omp simd
-                for (int d = 0; d < D; d++) ag[d] += w * load(v, d, bf16);
+            if (o < next) { /* spread over the rows: a burst would stall on full fill buffers */
+                prefetch_bytes(k_next + o * stride, block_bytes);
+                prefetch_bytes(k_next + half_bytes + o * stride, block_bytes);
             }
+            for (int j = 0; j < nq; j++)
+                scores[j * P16 + o] = dot_row(qf + (int64_t)j * D, k + o * stride
+                                            + (int64_t)(j / G) * D * esize, D, bf16) * scale;
+        }
+        const int64_t n16 = (n + 15) / 16; /* chunks of 16 scores; lanes past n are -inf */
+        for (int j = 0; j < nq; j++) {
+            float *sj = scores + j * P16;
+            for (int64_t o = n; o < 16 * n16; o++) sj[o] = -INFINITY;
+            v16f vm = (v16f){0} - INFINITY;
+            for (int64_t c = 0; c < n16; c++) {
+                v16f x;
+                memcpy(&x, sj + 16 * c, sizeof x);
+                vm = (v16f)(((v16i)x & (x > vm)) | ((v16i)vm & ~(x > vm)));
+            }
+            float mt = m[j];
+            for (int e = 0; e < 16; e++) mt = vm[e] > mt ? vm[e] : mt;
+            /* the running sums' rescaling: 0 at the first page (m = -inf) */
+            const float corr = exp16((v16f){0} + (m[j] - mt))[0];
+            v16f vs = {0};
+            for (int64_t c = 0; c < n16; c++) {
+                v16f x;
+                memcpy(&x, sj + 16 * c, sizeof x);
+                x = exp16(x - mt);
+                memcpy(sj + 16 * c, &x, sizeof x);
+                vs += x;
+            }
+            const float sum = hsum16(vs);
+            l[j] = l[j] * corr + sum;
+            m[j] = mt;
+            accumulate_rows(acc + (int64_t)j * D, corr, v + (int64_t)(j / G) * D * esize, n,
+                            stride, D, bf16, sj);
         }
     }
-    for (int g = 0; g < G; g++) {
-        float *ag = acc + (int64_t)g * D;
+    for (int j = 0; j < nq; j++) {
+        float *aj = acc + (int64_t)j * D;
+        const float inv = 1.0f / l[j];
 #pragma omp simd
-        for (int d = 0; d < D; d++) ag[d] *= inv_sum[g];
+        for (int d = 0; d < D; d++) aj[d] *= inv;
     }
 }
 
-/* The whole call for one dtype and head size (constants after inlining: the loops over d are
- * compiled for D = 64 and 128 exactly, and for any D). Returns 0, or 1 if a buffer could not
- * be allocated (nothing written then is guaranteed). */
-INLINE int run(const void *restrict q, int64_t q_stride, const void *restrict pool,
-               const int32_t *restrict page_table, int64_t table_stride,
-               const int64_t *restrict q_rows, const int64_t *restrict table_rows,
-               const int64_t *restrict seq_lens, void *restrict out, int64_t out_stride,
-               int64_t num_seqs, int Hkv, int G, int D, int P, float scale, int num_threads,
-               int bf16) {
-    int64_t max_len = 1;
-    for (int64_t i = 0; i < num_seqs; i++) max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
-    const int64_t num_tasks = num_seqs * Hkv;
+/* Everything the tasks of one call share. */
+typedef struct {
+    const void *q, *pool;
+    const int32_t *page_table;
+    const int64_t *q_rows, *table_rows, *seq_lens;
+    void *out;
+    int64_t q_stride, table_stride, out_stride;
+    int Hkv, G, D, P, heads_per_task;
+    float scale;
+} Call;
+
+/* Task `task` (sequence task / blocks, KV heads from (task % blocks) * heads_per_task) for one
+ * dtype and head size: called with constants, so each specialisation below compiles its loops
+ * for that D. buf holds heads_per_task * G * (P16 + 2 + 2 * D) floats, P16 = P rounded up to
+ * 16. */
+INLINE void task_body(const Call *c, int64_t task, float *buf, int bf16, int D) {
+    const int nh = c->heads_per_task, nq = nh * c->G, blocks = c->Hkv / nh;
+    const int64_t i = task / blocks;
+    const int h0 = (int)(task % blocks) * nh;
+    const int64_t len = c->seq_lens[i];
     const int64_t esize = bf16 ? 2 : 4;
-    int failed = 0;
-
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_tasks > 1)
-    {
-        /* per thread: scores [G, max_len], the task's queries and sums [G, D] each */
-        float *buf = malloc(sizeof(float) * (size_t)G * (size_t)(max_len + 2 * D));
-        if (buf == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < num_tasks; task++) {
-            if (buf == NULL) continue;
-            const int64_t i = task / Hkv;
-            const int h = (int)(task % Hkv);
-            const int64_t len = seq_lens[i];
-            float *scores = buf, *qf = buf + (int64_t)G * max_len, *acc = qf + (int64_t)G * D;
-            const int64_t head0 = (int64_t)h * G * D; /* first element of this group's heads */
-            const char *qr = (const char *)q + (q_rows[i] * q_stride + head0) * esize;
-            for (int64_t e = 0; e < (int64_t)G * D; e++) qf[e] = load(qr, e, bf16);
-            if (len <= 0) { /* no keys: nothing to attend to (the engine never asks this) */
-                memset(acc, 0, sizeof(float) * (size_t)G * (size_t)D);
-            } else {
-                attend(pool, page_table + table_rows[i] * table_stride, len, h, Hkv, G, D, P,
-                       scale, bf16, qf, scores, acc);
-            }
-            char *orow = (char *)out + (q_rows[i] * out_stride + head0) * esize;
-            if (bf16) {
-                for (int64_t e = 0; e < (int64_t)G * D; e++)
-                    ((uint16_t *)orow)[e] = f32_to_bf16(acc[e]);
-            } else {
-                memcpy(orow, acc, sizeof(float) * (size_t)G * (size_t)D);
-            }
-        }
-        free(buf);
+    float *scores = buf, *ml = buf + (int64_t)nq * ((c->P + 15) / 16 * 16), *qf = ml + 2 * nq;
+    float *acc = qf + (int64_t)nq * D;
+    const int64_t head0 = (int64_t)h0 * c->G * D; /* first element of the block's query heads */
+    const char *qr = (const char *)c->q + (c->q_rows[i] * c->q_stride + head0) * esize;
+    for (int64_t e = 0; e < (int64_t)nq * D; e++) qf[e] = load(qr, e, bf16);
+    if (len <= 0) { /* no keys: nothing to attend to (the engine never asks this) */
+        memset(acc, 0, sizeof(float) * (size_t)nq * (size_t)D);
+    } else {
+        attend(c->pool, c->page_table + c->table_rows[i] * c->table_stride, len, h0, nh, c->Hkv,
+               c->G, D, c->P, c->scale, bf16, qf, scores, ml, acc);
     }
-    return failed;
+    char *orow = (char *)c->out + (c->q_rows[i] * c->out_stride + head0) * esize;
+    if (bf16) {
+        for (int64_t e = 0; e < (int64_t)nq * D; e++) ((uint16_t *)orow)[e] = f32_to_bf16(acc[e]);
+    } else {
+        memcpy(orow, acc, sizeof(float) * (size_t)nq * (size_t)D);
+    }
 }
 
-#define DISPATCH_D(BF16)                                                                      \
-    do {                                                                                      \
-        if (D == 64)                                                                          \
-            return run(q, q_stride, pool, page_table, table_stride, q_rows, table_rows,       \
-                       seq_lens, out, out_stride, num_seqs, Hkv, G, 64, P, scale,             \
-                       num_threads, BF16);                                                    \
-        if (D == 128)                                                                         \
-            return run(q, q_stride, pool, page_table, table_stride, q_rows, table_rows,       \
-                       seq_lens, out, out_stride, num_seqs, Hkv, G, 128, P, scale,            \
-                       num_threads, BF16);                                                    \
-        return run(q, q_stride, pool, page_table, table_stride, q_rows, table_rows, seq_lens, \
-                   out, out_stride, num_seqs, Hkv, G, D, P, scale, num_threads, BF16);        \
-    } while (0)
+typedef void (*TaskFn)(const Call *, int64_t, float *);
 
-/* dtype: 0 float32, 1 bfloat16. Returns 0 on success, 1 if out of memory, 2 for a bad
- * argument (an unknown dtype or a non-positive size). */
+#define SPECIALISE(NAME, BF16, DIM)                                                        \
+    static void NAME(const Call *c, int64_t task, float *buf) {                            \
+        task_body(c, task, buf, BF16, DIM);                                                \
+    }
+SPECIALISE(task_f32_d64, 0, 64)
+SPECIALISE(task_f32_d128, 0, 128)
+SPECIALISE(task_f32_any, 0, c->D)
+SPECIALISE(task_bf16_d64, 1, 64)
+SPECIALISE(task_bf16_d128, 1, 128)
+SPECIALISE(task_bf16_any, 1, c->D)
+
+/* dtype: 0 float32, 1 bfloat16. Returns 0 on success, 1 if a per-thread buffer could not be
+ * allocated (some rows then unwritten), 2 for a bad argument (an unknown dtype or a
+ * non-positive size). */
 int loraplex_decode_attention(const void *q, int64_t q_stride, const void *pool,
                               const int32_t *page_table, int64_t table_stride,
                               const int64_t *q_rows, const int64_t *table_rows,
@@ -208,8 +293,32 @@ int loraplex_decode_attention(const void *q, int64_t q_stride, const void *pool,
                               int64_t num_seqs, int Hkv, int G, int D, int P, float scale,
                               int num_threads, int dtype) {
     if (num_seqs <= 0) return 0;
-    if (Hkv <= 0 || G <= 0 || D <= 0 || P <= 0 || num_threads <= 0) return 2;
-    if (dtype == 0) DISPATCH_D(0);
-    if (dtype == 1) DISPATCH_D(1);
-    return 2;
+    if (Hkv <= 0 || G <= 0 || D <= 0 || P <= 0 || num_threads <= 0 || (dtype != 0 && dtype != 1))
+        return 2;
+    static const TaskFn fns[2][3] = {{task_f32_d64, task_f32_d128, task_f32_any},
+                                     {task_bf16_d64, task_bf16_d128, task_bf16_any}};
+    const TaskFn fn = fns[dtype][D == 64 ? 0 : D == 128 ? 1 : 2];
+    /* whole tokens per task where sequences alone give each thread a few tasks */
+    const int heads_per_task = num_seqs >= 4 * (int64_t)num_threads ? Hkv : 1;
+    const Call c = {q, pool, page_table, q_rows, table_rows, seq_lens, out, q_stride,
+                    table_stride, out_stride, Hkv, G, D, P, heads_per_task, scale};
+    const int64_t num_tasks = num_seqs * (Hkv / heads_per_task);
+    const size_t buf_floats = (size_t)heads_per_task * (size_t)G
+                              * (size_t)((P + 15) / 16 * 16 + 2 + 2 * D);
+    int failed = 0;
+
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_tasks > 1)
+    {
+        float *buf = malloc(sizeof(float) * buf_floats);
+        if (buf == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < num_tasks; task++) {
+            if (buf != NULL) fn(&c, task, buf);
+        }
+        free(buf);
+    }
+    return failed;
 }
