@@ -39,6 +39,10 @@
 /* GCC/clang vector types: 16 floats (one AVX-512 register, two AVX2 ones); the head-size fast
  * paths (D = 64, 128) keep a query head and a running sum in registers as D / 16 of these. */
 typedef float v16f __attribute__((vector_size(64)));
+/* the same, at any address: loads and stores of these are one unaligned vector move (memcpy of
+ * 64 bytes is expanded as two 32-byte moves, which then stall a 64-byte load from them) */
+typedef float v16f_u __attribute__((vector_size(64), aligned(4)));
+typedef uint16_t v16h_u __attribute__((vector_size(32), aligned(2)));
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
@@ -68,14 +72,10 @@ INLINE float load(const void *row, int64_t i, int bf16) {
 
 /* Chunk c (16 elements) of a row, widened to float32. */
 INLINE v16f load16(const void *row, int c, int bf16) {
-    if (bf16) {
-        v16h h;
-        memcpy(&h, (const uint16_t *)row + 16 * c, sizeof h);
-        return (v16f)(__builtin_convertvector(h, v16u) << 16);
-    }
-    v16f f;
-    memcpy(&f, (const float *)row + 16 * c, sizeof f);
-    return f;
+    if (bf16)
+        return (v16f)(__builtin_convertvector(*(const v16h_u *)((const uint16_t *)row + 16 * c),
+                                              v16u) << 16);
+    return *(const v16f_u *)((const float *)row + 16 * c);
 }
 
 INLINE float hsum16(v16f v) {
@@ -115,14 +115,8 @@ INLINE void prefetch_bytes(const char *p, int64_t n_bytes) {
 /* dot(qf, row) for one head: D floats against D elements of a K row. */
 INLINE float dot_row(const float *restrict qf, const char *row, int D, int bf16) {
     if (D % 16 == 0 && D <= 128) { /* the fast paths: D a constant here */
-        v16f q0, s;
-        memcpy(&q0, qf, sizeof q0);
-        s = q0 * load16(row, 0, bf16);
-        for (int c = 1; c < D / 16; c++) {
-            v16f qc;
-            memcpy(&qc, qf + 16 * c, sizeof qc);
-            s += qc * load16(row, c, bf16);
-        }
+        v16f s = *(const v16f_u *)qf * load16(row, 0, bf16);
+        for (int c = 1; c < D / 16; c++) s += *(const v16f_u *)(qf + 16 * c) * load16(row, c, bf16);
         return hsum16(s);
     }
     float s = 0.0f;
@@ -131,18 +125,25 @@ INLINE float dot_row(const float *restrict qf, const char *row, int D, int bf16)
     return s;
 }
 
+/* accumulate_rows for D = 16 * NV, NV a constant: the running sum in NV registers. */
+INLINE void accumulate_fixed(float *restrict acc, float corr, const char *v, int64_t n,
+                             int64_t stride, const int NV, int bf16, const float *restrict w) {
+    v16f a[NV];
+    for (int c = 0; c < NV; c++) a[c] = *(const v16f_u *)(acc + 16 * c) * corr;
+    for (int64_t o = 0; o < n; o++)
+        for (int c = 0; c < NV; c++) a[c] += w[o] * load16(v + o * stride, c, bf16);
+    for (int c = 0; c < NV; c++) *(v16f_u *)(acc + 16 * c) = a[c];
+}
+
 /* acc (D floats) = acc * corr + sum_o w[o] * V row o, for n V rows `stride` bytes apart. */
 INLINE void accumulate_rows(float *restrict acc, float corr, const char *v, int64_t n,
                             int64_t stride, int D, int bf16, const float *restrict w) {
-    if (D % 16 == 0 && D <= 128) { /* the running sum in registers */
-        v16f a[8];
-        for (int c = 0; c < D / 16; c++) {
-            memcpy(&a[c], acc + 16 * c, sizeof a[c]);
-            a[c] *= corr;
-        }
-        for (int64_t o = 0; o < n; o++)
-            for (int c = 0; c < D / 16; c++) a[c] += w[o] * load16(v + o * stride, c, bf16);
-        for (int c = 0; c < D / 16; c++) memcpy(acc + 16 * c, &a[c], sizeof a[c]);
+    if (D == 64) {
+        accumulate_fixed(acc, corr, v, n, stride, 4, bf16, w);
+        return;
+    }
+    if (D == 128) {
+        accumulate_fixed(acc, corr, v, n, stride, 8, bf16, w);
         return;
     }
 #pragma omp simd
@@ -199,8 +200,7 @@ INLINE void attend(const void *restrict pool, const int32_t *restrict pages, int
             for (int64_t o = n; o < 16 * n16; o++) sj[o] = -INFINITY;
             v16f vm = (v16f){0} - INFINITY;
             for (int64_t c = 0; c < n16; c++) {
-                v16f x;
-                memcpy(&x, sj + 16 * c, sizeof x);
+                const v16f x = *(v16f_u *)(sj + 16 * c);
                 vm = (v16f)(((v16i)x & (x > vm)) | ((v16i)vm & ~(x > vm)));
             }
             float mt = m[j];
@@ -209,10 +209,8 @@ INLINE void attend(const void *restrict pool, const int32_t *restrict pages, int
             const float corr = exp16((v16f){0} + (m[j] - mt))[0];
             v16f vs = {0};
             for (int64_t c = 0; c < n16; c++) {
-                v16f x;
-                memcpy(&x, sj + 16 * c, sizeof x);
-                x = exp16(x - mt);
-                memcpy(sj + 16 * c, &x, sizeof x);
+                const v16f x = exp16(*(v16f_u *)(sj + 16 * c) - mt);
+                *(v16f_u *)(sj + 16 * c) = x;
                 vs += x;
             }
             const float sum = hsum16(vs);
