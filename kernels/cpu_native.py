@@ -67,16 +67,17 @@ def decode(q: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetadata, rows
         q: ``[T, num_heads, head_dim]`` float32 or bfloat16, CPU.
         kv_pool: ``[num_pages, page_elems]`` one layer's pool, contiguous, ``q``'s dtype.
         meta: the step's ``AttentionMetadata``; its ``page_table`` is ``[S, max_pages]`` int32.
-        rows: the decode sequences (``q_lens[s] == 1``).
+        rows: the decode sequences (``q_lens[s] == 1``), the same in every call with this
+            ``meta`` (the per-step arrays built from them are cached on ``meta.derived``).
         starts: ``[S + 1]`` query starts (host ints).
         out: ``[T, num_heads, head_dim]``, ``q``'s dtype; rows ``starts[s]`` written.
         page_size, num_kv_heads, scale: the layer's.
     Returns:
-        ``True`` if done; ``False`` if this path does not apply (nothing written): the caller
-        runs the torch path.
+        ``True`` if done; ``False`` if this path does not apply: the caller runs the torch path,
+        which writes every decode row.
     """
     dtype = _DTYPES.get(q.dtype)
-    num_tokens, num_heads, head_dim = q.shape
+    _, num_heads, head_dim = q.shape
     table = meta.page_table
     if (dtype is None or q.device.type != "cpu" or kv_pool.dtype != q.dtype
             or out.dtype != q.dtype or not kv_pool.is_contiguous()
@@ -95,7 +96,8 @@ def decode(q: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetadata, rows
             dtype=torch.int64)  # [3, num_decodes]: query row, table row, length
         # C reads pages unchecked: a page id outside the pool must fail as an IndexError in
         # the torch path, not crash the process
-        meta.derived["native.decode.in_pool"] = int(table.max()) < kv_pool.shape[0]
+        meta.derived["native.decode.in_pool"] = (int(table.min()) >= 0
+                                                  and int(table.max()) < kv_pool.shape[0])
     if not meta.derived["native.decode.in_pool"]:
         return False
     base = plan.data_ptr()

@@ -22,9 +22,15 @@
  * sequences to keep every thread busy, else one): a token's K (V) of the block is one
  * contiguous run, read once from memory; the G query heads of each KV head are scored against
  * it while it sits in L1, so each K and V row is read once per KV head, not once per query
- * head. Two passes per page (scores, then the weighted V sum) with the next page prefetched:
- * a sequence's pages lie anywhere in the pool, so the hardware prefetcher loses the stream at
- * every page boundary. Scores live in a per-thread buffer of (block heads) * max(L) floats.
+ * head. One pass per page with an online softmax (scores, a running maximum and sum, the
+ * weighted V sum rescaled when the maximum grows), the next page prefetched row by row: a
+ * sequence's pages lie anywhere in the pool, so the hardware prefetcher loses the stream at
+ * every page boundary. Scores live in a per-thread buffer of (block query heads) * P floats.
+ *
+ * Measured on one Sapphire Rapids core at SmolLM2's shapes (9/3 heads, D 64, 32 sequences of
+ * 100-250 tokens; benchmarks/decode_attention_bench.py): 2.6x (fp32) and 2.3x (bf16) less CPU
+ * time than the torch ops (cpu._decode). Tried and left: reducing 16 dot products at once with a
+ * transposing shuffle tree (no gain: the loop waits on memory, not on shuffles).
  */
 #include <math.h>
 #include <stdint.h>
@@ -45,7 +51,6 @@ typedef float v16f_u __attribute__((vector_size(64), aligned(4)));
 typedef uint16_t v16h_u __attribute__((vector_size(32), aligned(2)));
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 
@@ -79,13 +84,18 @@ INLINE v16f load16(const void *row, int c, int bf16) {
 }
 
 INLINE float hsum16(v16f v) {
+#if defined(__clang__) || __GNUC__ >= 12 /* __builtin_shufflevector */
     v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
             + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
     v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
     return (b[0] + b[2]) + (b[1] + b[3]);
+#else
+    float r = 0.0f;
+    for (int i = 0; i < 16; i++) r += v[i];
+    return r;
+#endif
 }
 
-/* Prefetch n_bytes from p, one cache line each. */
 /* exp(x) for x <= 0 (scores minus their maximum), 16 at a time: Cephes' expf, x = n ln2 + r
  * with |r| <= ln2 / 2, a degree-6 polynomial for e^r, 2^n built in the exponent bits; within
  * 2 ulp of expf. Explicit vectors because glibc's expf is a scalar call in gcc's eyes. Below

@@ -167,3 +167,15 @@ def test_unsupported_inputs_fall_back(no_torch_decode) -> None:
     assert not cpu_native.decode(strided, pool, meta, rows, starts, out, 16, num_kv_heads, 0.1)
     assert not cpu_native.decode(q, pool, meta, rows, starts, out, 32, num_kv_heads, 0.1)
     assert out.eq(0).all()
+
+
+def test_page_outside_the_pool_is_left_to_the_torch_path() -> None:
+    # C reads pages unchecked; a table naming a page the pool lacks must raise (the torch
+    # path's IndexError), never read past the pool.
+    _native_or_skip()
+    pool = torch.zeros(2, kv_page_elems(16, 1, 64))
+    meta = AttentionMetadata.build([[5]], [1], [3], 16)
+    q = torch.randn(1, 2, 64)
+    assert not cpu_native.decode(q, pool, meta, [0], [0, 1], torch.empty_like(q), 16, 1, 0.125)
+    with pytest.raises(IndexError):
+        cpu.paged_attention(q, pool, meta, 16, 1, 0.125)
