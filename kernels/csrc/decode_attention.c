@@ -28,9 +28,10 @@
  * every page boundary. Scores live in a per-thread buffer of (block query heads) * P floats.
  *
  * Measured on one Sapphire Rapids core at SmolLM2's shapes (9/3 heads, D 64, 32 sequences of
- * 100-250 tokens; benchmarks/decode_attention_bench.py): 2.6x (fp32) and 2.3x (bf16) less CPU
- * time than the torch ops (cpu._decode). Tried and left: reducing 16 dot products at once with a
- * transposing shuffle tree (no gain: the loop waits on memory, not on shuffles).
+ * 100-250 tokens; benchmarks/decode_attention_bench.py): 2.6-2.7x (fp32) and 2.9-3.1x (bf16)
+ * less CPU time than the torch ops (cpu._decode). Tried and left (no gain measured): reducing 16
+ * dot products at once with a transposing shuffle tree, prefetching two pages ahead, and
+ * prefetching the next task's first page.
  */
 #include <math.h>
 #include <stdint.h>
