@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from loraplex.kernels import cpu_native
 from loraplex.kernels.metadata import AttentionMetadata
 from loraplex.kernels.reference import kv_view, write_kv
 
@@ -28,13 +29,15 @@ __all__ = ["GroupBlocks", "ModuleBlocks", "SegmentBlocks", "lora_segments", "pag
 
 def paged_attention(q: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetadata,
                     page_size: int, num_kv_heads: int, scale: float) -> torch.Tensor:
-    """``reference.paged_attention`` (same semantics, arguments and result), decodes batched
-    in groups and prefill chunks one sequence at a time through SDPA."""
+    """``reference.paged_attention`` (same semantics, arguments and result): decodes in one
+    native call (``cpu_native.decode``) or, without it, batched in groups through torch ops;
+    prefill chunks one sequence at a time through SDPA."""
     pool = kv_view(kv_pool, page_size, num_kv_heads)
     out = torch.empty_like(q)
     starts = list(itertools.accumulate(meta.q_lens, initial=0))
     decode_rows = [s for s, n in enumerate(meta.q_lens) if n == 1]
-    if decode_rows:
+    if decode_rows and not cpu_native.decode(q, kv_pool, meta, decode_rows, starts, out,
+                                             page_size, num_kv_heads, scale):
         _decode(q, pool, meta, decode_rows, starts, out, scale)
     for s, n in enumerate(meta.q_lens):
         if n > 1:

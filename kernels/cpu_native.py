@@ -1,0 +1,113 @@
+"""The CPU backend's native decode attention: ``kernels/csrc/decode_attention.c`` called
+through ``ctypes`` (``kernels/native.py``), one call per layer for every decode sequence.
+
+Why native: decode attention reads every cached token's K and V once per layer for one query,
+so it is bound by memory traffic and per-call overhead, not FLOPs. The torch path
+(``cpu._decode``) copies K head-major, then runs a batched matmul, a softmax and an
+``embedding_bag`` that reads each V row once per query head; the C loop reads K and V in
+place through the page table, once per KV head (its query heads together), and keeps the
+scores in a per-thread buffer.
+
+``decode`` returns ``False`` where it does not apply (native kernels off or unbuilt, a dtype
+other than float32/bfloat16, tensors off the CPU or strided unlike the engine's): the caller
+then runs the torch path, which gives the same values up to summation order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Sequence
+
+import torch
+
+from loraplex.kernels import native
+from loraplex.kernels.metadata import AttentionMetadata
+
+__all__ = ["decode"]
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_ARGTYPES = [
+    ctypes.c_void_p, ctypes.c_int64,  # q, q_stride
+    ctypes.c_void_p,  # pool
+    ctypes.c_void_p, ctypes.c_int64,  # page_table, table_stride
+    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,  # q_rows, table_rows, seq_lens
+    ctypes.c_void_p, ctypes.c_int64,  # out, out_stride
+    ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,  # S, Hkv, G, D, P
+    ctypes.c_float, ctypes.c_int, ctypes.c_int,  # scale, num_threads, dtype
+]
+
+
+def _function() -> Callable[..., int] | None:
+    lib = native.library("decode_attention")
+    if lib is None:
+        return None
+    fn = lib.loraplex_decode_attention
+    if fn.argtypes is None:  # first use of this load of the library
+        fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+    return fn
+
+
+def _rows_heads_dense(t: torch.Tensor, head_dim: int) -> bool:
+    # [T, H, D] with each token's heads and elements contiguous (token stride free)
+    return t.stride(2) == 1 and t.stride(1) == head_dim
+
+
+def decode(q: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetadata, rows: Sequence[int],
+           starts: Sequence[int], out: torch.Tensor, page_size: int, num_kv_heads: int,
+           scale: float) -> bool:
+    """Decode attention of the sequences ``rows`` (one query token each) into ``out``.
+
+    Semantics: ``reference.paged_attention`` for those sequences: for decode sequence ``s``
+    (query row ``r = starts[s]``, ``L = seq_lens[s]``) and query head ``j`` of KV head
+    ``h = j // G``: ``out[r, j] = softmax(scale * q[r, j] K_h^T) V_h`` over positions
+    ``0 .. L - 1`` of its pages, scores, softmax and sums in float32, rounded once to ``q``'s
+    dtype. Slots at or past ``L`` are never read.
+
+    Args:
+        q: ``[T, num_heads, head_dim]`` float32 or bfloat16, CPU.
+        kv_pool: ``[num_pages, page_elems]`` one layer's pool, contiguous, ``q``'s dtype.
+        meta: the step's ``AttentionMetadata``; its ``page_table`` is ``[S, max_pages]`` int32.
+        rows: the decode sequences (``q_lens[s] == 1``), the same in every call with this
+            ``meta`` (the per-step arrays built from them are cached on ``meta.derived``).
+        starts: ``[S + 1]`` query starts (host ints).
+        out: ``[T, num_heads, head_dim]``, ``q``'s dtype; rows ``starts[s]`` written.
+        page_size, num_kv_heads, scale: the layer's.
+    Returns:
+        ``True`` if done; ``False`` if this path does not apply: the caller runs the torch path,
+        which writes every decode row.
+    """
+    dtype = _DTYPES.get(q.dtype)
+    _, num_heads, head_dim = q.shape
+    table = meta.page_table
+    if (dtype is None or q.device.type != "cpu" or kv_pool.dtype != q.dtype
+            or out.dtype != q.dtype or not kv_pool.is_contiguous()
+            or not _rows_heads_dense(q, head_dim) or not _rows_heads_dense(out, head_dim)
+            or table.dtype != torch.int32 or table.device.type != "cpu"
+            or not table.is_contiguous() or num_heads % num_kv_heads
+            or kv_pool.shape[1] != 2 * page_size * num_kv_heads * head_dim):
+        return False
+    fn = _function()
+    if fn is None:
+        return False
+    plan = meta.derived.get("native.decode")
+    if plan is None:  # the first layer of the step; the others reuse it (rows follow meta)
+        plan = meta.derived["native.decode"] = torch.tensor(
+            [[starts[s] for s in rows], list(rows), [meta.seq_lens_host[s] for s in rows]],
+            dtype=torch.int64)  # [3, num_decodes]: query row, table row, length
+        # C reads pages unchecked: a page id outside the pool must fail as an IndexError in
+        # the torch path, not crash the process
+        meta.derived["native.decode.in_pool"] = (int(table.min()) >= 0
+                                                  and int(table.max()) < kv_pool.shape[0])
+    if not meta.derived["native.decode.in_pool"]:
+        return False
+    base = plan.data_ptr()
+    step = plan.stride(0) * plan.element_size()
+    status = fn(q.data_ptr(), q.stride(0), kv_pool.data_ptr(), table.data_ptr(), table.stride(0),
+                base, base + step, base + 2 * step, out.data_ptr(), out.stride(0), len(rows),
+                num_kv_heads, num_heads // num_kv_heads, head_dim, page_size, scale,
+                torch.get_num_threads(), dtype)
+    if status == 1:  # a per-thread buffer could not be allocated: the torch path still can
+        return False
+    if status != 0:
+        raise RuntimeError(f"decode_attention: bad arguments (status {status})")
+    return True
