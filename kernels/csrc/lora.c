@@ -22,7 +22,15 @@
 #include <string.h>
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
-enum { TILE = 256 };  /* expand columns per work item: a tile of every row's sums stays in L1 */
+/* An expand work item's columns: as wide as its rows' float32 sums fit in 32 KB (L1), so
+ * that one row's B^T is read in long runs (a decode row: the module's whole width, one
+ * sequential stream over the block), and at least 256. */
+enum { ACC_FLOATS = 8192, MIN_TILE = 256 };
+
+static inline int64_t tile_of(int64_t rows) {
+    int64_t t = (ACC_FLOATS / (rows > 0 ? rows : 1)) & ~(int64_t)63;
+    return t > MIN_TILE ? t : MIN_TILE;
+}
 
 /* One module of a segment's table; Python builds these once per resident adapter's group. */
 typedef struct {
@@ -69,30 +77,59 @@ static inline const float *row_f32(int64_t base, int64_t stride, int64_t k, int6
     return buf;
 }
 
-/* h[i * hs + k] = x_i . A_k for the module's ranks, rows taken four at a time so each load
- * of A serves four rows */
+/* h[i * hs + k] = x_i . A_k for the module's ranks. Ranks four at a time: four independent
+ * sums (a decode segment is often one row, and one sum is a chain of dependent FMAs), each
+ * load of x serving four A rows that stay in L1 for the segment's other rows. */
 static void shrink(const float *restrict x, int64_t xs, int64_t rows, int64_t d_in,
                    const module_t *m, float *restrict h, int64_t hs, float *buf) {
-    for (int64_t k = 0; k < m->rank; k++) {
-        const float *restrict a = row_f32(m->a, m->a_stride, k, m->dtype, d_in, buf);
+    int64_t k = 0;
+    for (; k + 4 <= m->rank; k += 4) {
+        const float *restrict a0 = row_f32(m->a, m->a_stride, k, m->dtype, d_in, buf);
+        const float *restrict a1 = row_f32(m->a, m->a_stride, k + 1, m->dtype, d_in,
+                                           buf + d_in);
+        const float *restrict a2 = row_f32(m->a, m->a_stride, k + 2, m->dtype, d_in,
+                                           buf + 2 * d_in);
+        const float *restrict a3 = row_f32(m->a, m->a_stride, k + 3, m->dtype, d_in,
+                                           buf + 3 * d_in);
         int64_t i = 0;
-        for (; i + 4 <= rows; i += 4) {
-            const float *x0 = x + i * xs, *x1 = x0 + xs, *x2 = x1 + xs, *x3 = x2 + xs;
+        for (; i + 2 <= rows; i += 2) {
+            const float *restrict x0 = x + i * xs, *restrict x1 = x0 + xs;
+            float s0 = 0, s1 = 0, s2 = 0, s3 = 0, t0 = 0, t1 = 0, t2 = 0, t3 = 0;
+#pragma omp simd reduction(+ : s0, s1, s2, s3, t0, t1, t2, t3)
+            for (int64_t d = 0; d < d_in; d++) {
+                const float u = x0[d], v = x1[d];
+                s0 += u * a0[d];
+                s1 += u * a1[d];
+                s2 += u * a2[d];
+                s3 += u * a3[d];
+                t0 += v * a0[d];
+                t1 += v * a1[d];
+                t2 += v * a2[d];
+                t3 += v * a3[d];
+            }
+            float *h0 = h + i * hs + k, *h1 = h0 + hs;
+            h0[0] = s0, h0[1] = s1, h0[2] = s2, h0[3] = s3;
+            h1[0] = t0, h1[1] = t1, h1[2] = t2, h1[3] = t3;
+        }
+        for (; i < rows; i++) {
+            const float *restrict x0 = x + i * xs;
             float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
 #pragma omp simd reduction(+ : s0, s1, s2, s3)
             for (int64_t d = 0; d < d_in; d++) {
-                s0 += x0[d] * a[d];
-                s1 += x1[d] * a[d];
-                s2 += x2[d] * a[d];
-                s3 += x3[d] * a[d];
+                const float u = x0[d];
+                s0 += u * a0[d];
+                s1 += u * a1[d];
+                s2 += u * a2[d];
+                s3 += u * a3[d];
             }
-            h[i * hs + k] = s0;
-            h[(i + 1) * hs + k] = s1;
-            h[(i + 2) * hs + k] = s2;
-            h[(i + 3) * hs + k] = s3;
+            float *h0 = h + i * hs + k;
+            h0[0] = s0, h0[1] = s1, h0[2] = s2, h0[3] = s3;
         }
-        for (; i < rows; i++) {
-            const float *xi = x + i * xs;
+    }
+    for (; k < m->rank; k++) {
+        const float *restrict a = row_f32(m->a, m->a_stride, k, m->dtype, d_in, buf);
+        for (int64_t i = 0; i < rows; i++) {
+            const float *restrict xi = x + i * xs;
             float s = 0;
 #pragma omp simd reduction(+ : s)
             for (int64_t d = 0; d < d_in; d++) s += xi[d] * a[d];
@@ -106,7 +143,7 @@ static void expand(const float *restrict h, int64_t hs, int64_t rows, const modu
                    int64_t c0, int64_t c1, float scale, char *y, int64_t ys, int64_t y_dtype,
                    float *restrict acc, float *buf) {
     const int64_t n = c1 - c0, off = c0 - m->start;
-    memset(acc, 0, (size_t)(rows * TILE) * sizeof(float));
+    memset(acc, 0, (size_t)(rows * n) * sizeof(float));
     for (int64_t k = 0; k < m->rank; k++) {
         const float *restrict b;
         if (m->dtype == DT_F32) {
@@ -117,13 +154,13 @@ static void expand(const float *restrict h, int64_t hs, int64_t rows, const modu
         }
         for (int64_t i = 0; i < rows; i++) {
             const float hk = h[i * hs + k];
-            float *restrict ai = acc + i * TILE;
+            float *restrict ai = acc + i * n;
 #pragma omp simd
             for (int64_t c = 0; c < n; c++) ai[c] += hk * b[c];
         }
     }
     for (int64_t i = 0; i < rows; i++) {
-        const float *restrict ai = acc + i * TILE;
+        const float *restrict ai = acc + i * n;
         if (y_dtype == DT_F32) {
             float *restrict yi = (float *)y + i * ys + c0;
 #pragma omp simd
@@ -155,7 +192,7 @@ int64_t loraplex_lora_short(const void *x, int64_t x_stride, void *y, int64_t y_
                             int64_t num_threads) {
     if (io_dtype != DT_F32 && io_dtype != DT_BF16) return 4;
     /* checks, sizes of h (every segment's rows x its modules' total rank) and the items */
-    int64_t h_total = 0, num_shrinks = 0, num_items = 0, max_rows = 0;
+    int64_t h_total = 0, num_shrinks = 0, num_items = 0, max_acc = 0;
     int64_t *h_off = malloc((size_t)(num_segments + 1) * sizeof(int64_t));
     if (h_off == NULL) return 5;
     for (int64_t s = 0; s < num_segments; s++) {
@@ -168,12 +205,13 @@ int64_t loraplex_lora_short(const void *x, int64_t x_stride, void *y, int64_t y_
             if (m->d_in != d_in) { free(h_off); return 3; }
             if (m->dtype != DT_F32 && m->dtype != DT_BF16) { free(h_off); return 4; }
             rank += m->rank;
-            num_items += (m->end - m->start + TILE - 1) / TILE;
+            const int64_t tile = tile_of(sg->hi - sg->lo);
+            num_items += (m->end - m->start + tile - 1) / tile;
+            if ((sg->hi - sg->lo) * tile > max_acc) max_acc = (sg->hi - sg->lo) * tile;
         }
         h_off[s] = h_total;
         h_total += (sg->hi - sg->lo) * rank;
         num_shrinks += sg->num_modules;
-        if (sg->hi - sg->lo > max_rows) max_rows = sg->hi - sg->lo;
     }
     h_off[num_segments] = h_total;
     /* x widened once for bf16 (only the rows segments use are read) */
@@ -196,7 +234,7 @@ int64_t loraplex_lora_short(const void *x, int64_t x_stride, void *y, int64_t y_
         for (int64_t j = 0; j < sg->num_modules; j++) {
             const module_t *m = &modules_of(sg)[j];
             shrinks[ns++] = (item_t){(int32_t)s, (int32_t)j, 0};
-            for (int64_t c0 = m->start; c0 < m->end; c0 += TILE)
+            for (int64_t c0 = m->start; c0 < m->end; c0 += tile_of(sg->hi - sg->lo))
                 items[ni++] = (item_t){(int32_t)s, (int32_t)j, c0};
         }
     }
@@ -206,9 +244,9 @@ int64_t loraplex_lora_short(const void *x, int64_t x_stride, void *y, int64_t y_
     int failed = 0;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
-        /* per thread: one widened block row (A or BT), the expand's sums */
-        float *buf = malloc((size_t)(d_in > TILE ? d_in : TILE) * sizeof(float));
-        float *acc = malloc((size_t)(max_rows * TILE + 1) * sizeof(float));
+        /* per thread: four widened A rows or one BT tile, the expand's sums */
+        float *buf = malloc((size_t)(4 * d_in > max_acc ? 4 * d_in : max_acc) * sizeof(float));
+        float *acc = malloc((size_t)(max_acc + 1) * sizeof(float));
         if (buf == NULL || acc == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -237,7 +275,8 @@ int64_t loraplex_lora_short(const void *x, int64_t x_stride, void *y, int64_t y_
                     if (j < items[t].mod) r0 += mods[j].rank;
                     rank += mods[j].rank;
                 }
-                const int64_t c1 = items[t].c0 + TILE < m->end ? items[t].c0 + TILE : m->end;
+                const int64_t tile = tile_of(sg->hi - sg->lo);
+                const int64_t c1 = items[t].c0 + tile < m->end ? items[t].c0 + tile : m->end;
                 expand(h + h_off[items[t].seg] + r0, rank, sg->hi - sg->lo, m, items[t].c0, c1,
                        scales[items[t].seg], (char *)y + sg->lo * y_stride * elem, y_stride,
                        io_dtype, acc, buf);
