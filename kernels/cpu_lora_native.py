@@ -14,6 +14,7 @@ run here: their FLOPs dominate, and oneDNN's GEMMs (AMX for bf16) are faster the
 
 from __future__ import annotations
 
+import array
 import ctypes
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
@@ -113,14 +114,15 @@ def lora_short_segments(x: torch.Tensor, y: torch.Tensor, segments: Sequence[Seg
     if not scales:
         return rest
     fn = lib.loraplex_lora_short
-    fn.restype = ctypes.c_int64
-    rc = fn(
-        ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(x.stride(0)),
-        ctypes.c_void_p(y.data_ptr()), ctypes.c_int64(y.stride(0)),
-        ctypes.c_int64(x.shape[0]), ctypes.c_int64(x.shape[1]), ctypes.c_int64(y.shape[1]),
-        ctypes.c_int64(code), ctypes.c_int64(len(scales)),
-        (ctypes.c_int64 * len(fields))(*fields), (ctypes.c_float * len(scales))(*scales),
-        ctypes.c_int64(torch.get_num_threads()))
+    if fn.argtypes is None:  # declared once: plain ints then convert in C, the cheapest call
+        fn.restype = ctypes.c_int64
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 6,
+                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    # array.array: the segment fields as C int64 / float32 in one C-level copy of the lists
+    seg_arr, scale_arr = array.array("q", fields), array.array("f", scales)
+    rc = fn(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), x.shape[0], x.shape[1],
+            y.shape[1], code, len(scales), seg_arr.buffer_info()[0],
+            scale_arr.buffer_info()[0], torch.get_num_threads())
     if rc == 5:
         raise MemoryError("native LoRA: " + _ERRORS[5])
     if rc != 0:

@@ -93,6 +93,17 @@ static void widen(const uint16_t *restrict in, float *restrict out, int64_t n) {
     for (int64_t i = 0; i < n; i++) out[i] = bf2f(in[i]);
 }
 
+/* Touch a block's lines into L2 ahead of use: the work is many short blocks at scattered
+ * pages (every adapter's own), where the hardware prefetcher starts too late on each. */
+static void prefetch_rows(int64_t base, int64_t stride, int64_t rows, int64_t from, int64_t n,
+                          int64_t dtype) {
+    const int64_t elem = dtype == DT_F32 ? 4 : 2;
+    for (int64_t k = 0; k < rows; k++) {
+        const char *p = (const char *)(intptr_t)base + (k * stride + from) * elem;
+        for (int64_t off = 0; off < n * elem; off += 64) __builtin_prefetch(p + off, 0, 2);
+    }
+}
+
 static inline const module_t *modules_of(const segment_t *s) {
     return (const module_t *)(intptr_t)s->table;
 }
@@ -315,6 +326,12 @@ int64_t loraplex_lora_short(const void *x, int64_t x_stride, void *y, int64_t y_
         for (int64_t t = 0; t < num_shrinks; t++) {
             const work_t *w = &work[t];
             const int64_t rows = w->sg->hi - w->sg->lo;
+            if (t + 1 < num_shrinks)  /* the next item's A (the last: the first B tile) */
+                prefetch_rows(w[1].m->a, w[1].m->a_stride, w[1].m->rank, 0, d_in,
+                              w[1].m->dtype);
+            else if (num_items > 0)
+                prefetch_rows(w[1].m->b, w[1].m->b_stride, w[1].m->rank,
+                              w[1].c0 - w[1].m->start, w[1].c1 - w[1].c0, w[1].m->dtype);
             (w->m->dtype == DT_F32 ? shrink_f32 : shrink_bf16)(
                 xf + w->sg->lo * xs, xs, rows, d_in, w->m, h + w->h_at, w->h_stride);
         }
@@ -322,6 +339,9 @@ int64_t loraplex_lora_short(const void *x, int64_t x_stride, void *y, int64_t y_
         for (int64_t t = num_shrinks; t < num_shrinks + num_items; t++) {
             const work_t *w = &work[t];
             const int64_t rows = w->sg->hi - w->sg->lo;
+            if (t + 1 < num_shrinks + num_items)  /* the next item's B^T tile */
+                prefetch_rows(w[1].m->b, w[1].m->b_stride, w[1].m->rank,
+                              w[1].c0 - w[1].m->start, w[1].c1 - w[1].c0, w[1].m->dtype);
             (w->m->dtype == DT_F32 ? expand_f32 : expand_bf16)(
                 h + w->h_at, w->h_stride, rows, w->m, w->c0, w->c1, w->scale,
                 (char *)y + w->sg->lo * y_stride * elem, y_stride, io_dtype);
