@@ -73,7 +73,8 @@ def build(group: str, layers: int, dtype: torch.dtype, seed: int = 0
 
 
 class _NoCall:
-    restype = None
+    restype: object = None
+    argtypes: object = ()
 
     def __call__(self, *args: object) -> int:
         return 0
