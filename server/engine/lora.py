@@ -17,7 +17,9 @@ Two ways to run it, same arithmetic:
   A's and, for decode rows, one expand (``cpu.GroupBlocks``); the op-signature references
   (``lora_shrink`` / ``lora_expand``) decode the page table in every call. With a bf16 pool
   short segments run in float32 (copies of the blocks: oneDNN's bf16 GEMM is slow at rank
-  8-16 and few rows) and long ones as bf16 GEMMs (``lora_segments``).
+  8-16 and few rows) and long ones as bf16 GEMMs (``lora_segments``). Where the native
+  kernels load, all short segments of a projection are instead one C call on the blocks in
+  place (``kernels/cpu_lora_native.py``), on this hook's one thread.
 """
 
 from __future__ import annotations
