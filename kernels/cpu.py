@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.kernels import cpu_native
+from loraplex.kernels.cpu_lora_native import NativeTable, lora_short_segments
 from loraplex.kernels.metadata import AttentionMetadata
 from loraplex.kernels.reference import kv_view, write_kv
 
@@ -203,6 +204,7 @@ class GroupBlocks:
                                                       initial=0))
         self._a_cat: dict[torch.dtype, torch.Tensor] = {}
         self._b_wide: dict[torch.dtype, torch.Tensor] = {}
+        self.native: NativeTable | None = None  # cpu_lora_native's module table, on first use
 
     def a_cat(self, dtype: torch.dtype) -> torch.Tensor:
         a = self._a_cat.get(dtype)
@@ -272,13 +274,18 @@ def lora_segments(x: torch.Tensor, y: torch.Tensor, segments: Sequence[SegmentBl
     512-row prefill segment.
 
     On CPU the fixed cost of each small product (about 5 us), not the arithmetic, is most of
-    what LoRA costs in a decode step: hence one shrink and one expand per segment there.
+    what LoRA costs in a decode step: hence one shrink and one expand per segment there, and,
+    where the native library loads, every short float32/bf16 segment in one C call instead
+    (``cpu_lora_native.lora_short_segments``: the short path's arithmetic, blocks read in
+    place).
 
     Args:
         x: ``[T, d_in]``, rows grouped by segment.
         y: ``[T, d_out_total]``, the fused projection's output, updated in place.
         segments: the segments of rank > 0; rows of no segment are not touched.
     """
+    # the short segments (decode rows) in one C call, where the native library loads
+    segments = lora_short_segments(x, y, segments, _SHORT_SEGMENT)
     half = x.dtype != torch.float32
     native = half and x.dtype == torch.bfloat16 and _native_bf16()
     for seg in segments:

@@ -17,7 +17,9 @@ Two ways to run it, same arithmetic:
   A's and, for decode rows, one expand (``cpu.GroupBlocks``); the op-signature references
   (``lora_shrink`` / ``lora_expand``) decode the page table in every call. With a bf16 pool
   short segments run in float32 (copies of the blocks: oneDNN's bf16 GEMM is slow at rank
-  8-16 and few rows) and long ones as bf16 GEMMs (``lora_segments``).
+  8-16 and few rows) and long ones as bf16 GEMMs (``lora_segments``). Where the native
+  kernels load, all short segments of a projection are instead one C call on the blocks in
+  place (``kernels/cpu_lora_native.py``), on this hook's one thread.
 """
 
 from __future__ import annotations
@@ -76,6 +78,9 @@ class LoraBatch:
         self.segments = [(bounds[s], bounds[s + 1], a) for s, a in enumerate(adapters)
                          if a is not None and seg_lens[s] > 0]
         self.modules: dict[str, ModuleSegments] = {}
+        # fused groups no segment's adapter targets (the same in every layer: a layout names
+        # modules, not layers), found in the first layer and skipped in the others
+        self._untargeted: set[str] = set()
         if not ops.segment_major:
             self._build_tables(adapters, bounds)
 
@@ -120,6 +125,8 @@ class LoraBatch:
                             self.scales, y[:, start:end])
 
     def _segment_major(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        if group in self._untargeted:
+            return
         segments = []
         key = (layer, group)
         for lo, hi, adapter in self.segments:
@@ -129,6 +136,7 @@ class LoraBatch:
             if blocks.modules:
                 segments.append(cpu.SegmentBlocks(lo, hi, adapter.scale, blocks))
         if not segments:
+            self._untargeted.add(group)
             return
         # Each segment's operations are too small to gain from a second thread, and on a busy
         # machine every parallel region waits for a free core: run them on this thread alone.

@@ -1,0 +1,130 @@
+"""LoRA's short segments on the CPU in one C call per fused projection (``csrc/lora.c``).
+
+Why: in a decode step LoRA is segments x layers x projections tiny products; as torch ops
+(``cpu.lora_segments``' short path) each costs a fixed ~5 us whatever its size. The C kernel
+does every short segment of a projection in one call, reading each module's ``A`` and ``B^T``
+in place (views of the pool, float32 or bfloat16) and writing only the module's own columns
+(no zero padding), so the cost left is the arithmetic and one ctypes call.
+
+A group's module table (addresses, strides, ranks, columns) is built once and kept on its
+``GroupBlocks`` (``native``), with the tensors it points into: a resident adapter's blocks
+neither move nor change, and the table goes with the blocks on eviction. Long segments are not
+run here: their FLOPs dominate, and oneDNN's GEMMs (AMX for bf16) are faster there.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from loraplex.kernels import native
+
+if TYPE_CHECKING:
+    from loraplex.kernels.cpu import GroupBlocks, SegmentBlocks
+
+__all__ = ["lora_short_segments"]
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # csrc/lora.c's DT_F32, DT_BF16
+_MODULE_FIELDS = 9  # csrc/lora.c's module_t
+_SEGMENT_FIELDS = 4  # csrc/lora.c's segment_t
+_ERRORS = {1: "a segment's rows lie outside x", 2: "a module's columns lie outside y",
+           3: "an A block's row length is not x's width", 4: "unsupported dtype",
+           5: "out of memory"}
+
+
+class NativeTable(NamedTuple):
+    """A group's ``module_t`` rows for ``csrc/lora.c`` and the tensors they point into."""
+
+    table: torch.Tensor  # [num_modules, 9] int64
+    address: int
+    num_modules: int
+    keep: tuple[torch.Tensor, ...]  # the blocks the table points into (copies held here)
+
+
+def _block(t: torch.Tensor) -> torch.Tensor:
+    # The kernel reads rows of unit element stride in float32 or bfloat16; anything else
+    # (fp16 blocks, a strided view) becomes a float32 copy, made once.
+    if t.dtype not in _DTYPES:
+        t = t.float()
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def module_table(group: GroupBlocks) -> NativeTable:
+    """The group's table, built on first use and cached on ``group.native``."""
+    cached = group.native
+    if cached is not None:
+        return cached
+    rows, keep = [], []
+    for m in group.modules:
+        a, bt = _block(m.a_t.t()), _block(m.bt)  # [r, d_in], [r, d_out]
+        if bt.shape[1] != m.end - m.start or a.shape[0] != bt.shape[0] or a.dtype != bt.dtype:
+            raise ValueError(f"module blocks disagree: A {tuple(a.shape)} {a.dtype}, "
+                             f"B^T {tuple(bt.shape)} {bt.dtype}, columns {m.start}:{m.end}")
+        rows.append([a.data_ptr(), a.stride(0), bt.data_ptr(), bt.stride(0), a.shape[0],
+                     m.start, m.end, a.shape[1], _DTYPES[a.dtype]])
+        keep += [a, bt]
+    table = torch.tensor(rows, dtype=torch.int64).reshape(-1, _MODULE_FIELDS)
+    group.native = NativeTable(table, table.data_ptr(), len(rows), tuple(keep))
+    return group.native
+
+
+def lora_short_segments(x: torch.Tensor, y: torch.Tensor, segments: Sequence[SegmentBlocks],
+                        short: int) -> Sequence[SegmentBlocks]:
+    """Run the segments of at most ``short`` rows in one C call; return the others.
+
+    Semantics, for each such segment and each module ``m`` of its group:
+    ``y[lo:hi, start:end] += scale * (x[lo:hi] @ A^T) @ BT``, products accumulated in float32,
+    ``h`` not rounded, a bf16 ``y`` rounded once per element (as ``cpu.lora_segments``' short
+    path). Returns ``segments`` untouched (nothing run) when the library does not load
+    (``native.library``), the tensors are not CPU float32/bfloat16 of one dtype, or their rows
+    are not of unit element stride.
+
+    Args:
+        x: ``[T, d_in]`` float32 or bfloat16.
+        y: ``[T, d_out_total]``, the same dtype, updated in place.
+        segments: disjoint row ranges, each of rank > 0.
+        short: the longest segment run here (``cpu._SHORT_SEGMENT``).
+    Returns:
+        The segments left for the torch path, in their order.
+    Raises:
+        ValueError: a segment or module outside ``x`` / ``y`` (checked in C before any write).
+        MemoryError: the kernel's buffers could not be allocated.
+    """
+    code = _DTYPES.get(x.dtype)
+    if (code is None or y.dtype != x.dtype or x.device.type != "cpu" or y.device.type != "cpu"
+            or x.stride(1) != 1 or y.stride(1) != 1):
+        return segments
+    lib = native.library("lora")
+    if lib is None:
+        return segments
+    fields: list[int] = []
+    scales: list[float] = []
+    rest = []
+    for seg in segments:
+        if seg.hi - seg.lo > short:
+            rest.append(seg)
+            continue
+        t = seg.group.native or module_table(seg.group)
+        fields += (seg.lo, seg.hi, t.address, t.num_modules)
+        scales.append(seg.scale)
+    if not scales:
+        return rest
+    fn = lib.loraplex_lora_short
+    if fn.argtypes is None:  # declared once: plain ints then convert in C, the cheapest call
+        fn.restype = ctypes.c_int64
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 6,
+                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    # array.array: the segment fields as C int64 / float32 in one C-level copy of the lists
+    seg_arr, scale_arr = array.array("q", fields), array.array("f", scales)
+    rc = fn(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), x.shape[0], x.shape[1],
+            y.shape[1], code, len(scales), seg_arr.buffer_info()[0],
+            scale_arr.buffer_info()[0], torch.get_num_threads())
+    if rc == 5:
+        raise MemoryError("native LoRA: " + _ERRORS[5])
+    if rc != 0:
+        raise ValueError("native LoRA: " + _ERRORS.get(rc, f"error {rc}"))
+    return rest

@@ -1,0 +1,354 @@
+/* LoRA of short segments (decode rows, small chunks) for one fused projection in one call.
+ *
+ * Semantics, for each segment s (rows lo:hi, scale_s) and each module m of its table:
+ *     h = x[lo:hi] @ A_m^T                          float32 accumulate, [rows, rank_m]
+ *     y[lo:hi, start_m:end_m] += scale_s * h @ BT_m  float32 accumulate, y rounded once
+ * A_m is [rank_m, d_in] and BT_m [rank_m, end_m - start_m], both row-major with unit element
+ * stride, read in place (views of the pool's pages) in float32 or bfloat16. h is never rounded
+ * (torch's widened short-segment path does the same). x and y are float32 or bfloat16; a bf16
+ * y element is widened, gets its float32 delta and is rounded to nearest even once, as torch's
+ * `y.add_(float32 delta)` rounds it.
+ *
+ * Why one C call: on a CPU a decode step's LoRA is many tiny products (segments x layers x
+ * projections); as torch ops each costs a fixed ~5 us whatever its size, here a few hundred ns.
+ *
+ * Work is split in two phases, each parallel over OpenMP threads when num_threads > 1:
+ * shrinks per (segment, module), then expands per (segment, module, column tile). Segments must
+ * not share rows and a table's modules must not share columns (the engine's fused slices):
+ * no two work items write the same element of y.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ISO C (-std=c11) turns FMA contraction off; a * b + c as one FMA is what every BLAS does,
+ * and is only more exact. */
+#pragma GCC optimize("fp-contract=fast")
+
+enum { DT_F32 = 0, DT_BF16 = 1 };
+/* Expand work items' columns when a segment has more than two rows (B^T's tile is then read
+ * once per pair of rows: 256 columns x rank stay in L1/L2); a segment of one or two rows sweeps
+ * each module's whole width once, B^T read as one stream. */
+enum { TILE = 256 };
+
+static inline int64_t tile_of(int64_t rows, int64_t width) {
+    return rows <= 2 || width <= TILE ? (width > 0 ? width : 1) : TILE;
+}
+
+/* One module of a segment's table; Python builds these once per resident adapter's group. */
+typedef struct {
+    int64_t a, a_stride;  /* A: address, elements between rank rows */
+    int64_t b, b_stride;  /* BT: address, elements between rank rows */
+    int64_t rank, start, end;  /* the module's rank and its columns of y */
+    int64_t d_in, dtype;  /* A's row length (checked against x) and the blocks' dtype */
+} module_t;
+
+/* One segment of the call: its rows and its table (module_t[num_modules]). */
+typedef struct {
+    int64_t lo, hi, table, num_modules;
+} segment_t;
+
+/* GCC/clang vectors of 16 lanes: AVX-512 registers where the CPU has them (-march=native),
+ * pairs or quads of narrower ones elsewhere; unaligned, and allowed to alias the tensors. */
+enum { VL = 16 };
+typedef float vf __attribute__((vector_size(64), aligned(4), may_alias));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32), aligned(2), may_alias));
+
+static inline vf ld_f32(const float *p) { return *(const vf *)p; }
+
+static inline vf ld_bf16(const uint16_t *p) {
+    return (vf)(__builtin_convertvector(*(const vh *)p, vu) << 16);
+}
+
+static inline vh to_bf16(vf f) {
+    /* torch's round_to_nearest_even; a NaN stays a (quiet) NaN with its sign */
+    const vu u = (vu)f;
+    const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);  /* all ones where NaN */
+    return __builtin_convertvector((rounded & ~nan) | (((u >> 16) | 0x40u) & nan), vh);
+}
+
+static inline float hsum(vf v) {
+    float s = 0;
+    for (int j = 0; j < VL; j++) s += v[j];
+    return s;
+}
+
+static inline float bf2f(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f2bf(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? (u >> 16) | 0x40u : rounded);
+}
+
+static void widen(const uint16_t *restrict in, float *restrict out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = bf2f(in[i]);
+}
+
+/* Touch a block's lines into L2 ahead of use: the work is many short blocks at scattered
+ * pages (every adapter's own), where the hardware prefetcher starts too late on each. */
+static void prefetch_rows(int64_t base, int64_t stride, int64_t rows, int64_t from, int64_t n,
+                          int64_t dtype) {
+    const int64_t elem = dtype == DT_F32 ? 4 : 2;
+    for (int64_t k = 0; k < rows; k++) {
+        const char *p = (const char *)(intptr_t)base + (k * stride + from) * elem;
+        for (int64_t off = 0; off < n * elem; off += 64) __builtin_prefetch(p + off, 0, 2);
+    }
+}
+
+static inline const module_t *modules_of(const segment_t *s) {
+    return (const module_t *)(intptr_t)s->table;
+}
+
+/* The block kernels, once per weight type W (float or uint16_t bf16 bits) through LD (vector
+ * load) and LD1 (scalar load). */
+#define LD1_f32(p) (*(p))
+#define LD1_bf16(p) bf2f(*(p))
+
+/* h[i * hs + k] = x_i . A_k (float32) for the module's ranks: four ranks by two rows at a
+ * time, eight independent sums (a decode segment is often one row, and a single sum is a
+ * chain of dependent FMAs), each load of x serving four A rows that stay in L1. */
+#define DEFINE_SHRINK(NAME, W, LD, LD1)                                                    \
+    static void NAME(const float *restrict x, int64_t xs, int64_t rows, int64_t d_in,      \
+                     const module_t *m, float *restrict h, int64_t hs) {                   \
+        const W *A = (const W *)(intptr_t)m->a;                                            \
+        const int64_t as = m->a_stride, dv = d_in - d_in % VL;                             \
+        for (int64_t k = 0; k < m->rank; k += 4) {                                         \
+            const int64_t nk = m->rank - k < 4 ? m->rank - k : 4;                          \
+            /* past the last rank, repeat it: the sums are computed and not stored */      \
+            const W *a0 = A + k * as, *a1 = A + (k + (nk > 1)) * as;                       \
+            const W *a2 = A + (k + (nk > 2 ? 2 : nk - 1)) * as;                            \
+            const W *a3 = A + (k + nk - 1) * as;                                           \
+            const W *pf = k + 8 <= m->rank ? A + (k + 4) * as : a0;                        \
+            for (int64_t i = 0; i < rows; i += 2) {                                        \
+                const float *x0 = x + i * xs, *x1 = i + 1 < rows ? x0 + xs : x0;           \
+                vf s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};                                 \
+                vf t0 = {0}, t1 = {0}, t2 = {0}, t3 = {0};                                 \
+                for (int64_t d = 0; d < dv; d += VL) {                                     \
+                    /* the next four ranks' rows, one group ahead: blocks are many and */  \
+                    /* short, so the hardware's stream prefetch alone starts late */       \
+                    __builtin_prefetch(pf + d);                                            \
+                    __builtin_prefetch(pf + as + d);                                       \
+                    __builtin_prefetch(pf + 2 * as + d);                                   \
+                    __builtin_prefetch(pf + 3 * as + d);                                   \
+                    const vf u = ld_f32(x0 + d), v = ld_f32(x1 + d);                       \
+                    const vf b0 = LD(a0 + d), b1 = LD(a1 + d);                             \
+                    const vf b2 = LD(a2 + d), b3 = LD(a3 + d);                             \
+                    s0 += u * b0, s1 += u * b1, s2 += u * b2, s3 += u * b3;                \
+                    t0 += v * b0, t1 += v * b1, t2 += v * b2, t3 += v * b3;                \
+                }                                                                          \
+                float r[8] = {hsum(s0), hsum(s1), hsum(s2), hsum(s3),                      \
+                              hsum(t0), hsum(t1), hsum(t2), hsum(t3)};                     \
+                for (int64_t d = dv; d < d_in; d++) {                                      \
+                    const float u = x0[d], v = x1[d];                                      \
+                    const float b0 = LD1(a0 + d), b1 = LD1(a1 + d);                        \
+                    const float b2 = LD1(a2 + d), b3 = LD1(a3 + d);                        \
+                    r[0] += u * b0, r[1] += u * b1, r[2] += u * b2, r[3] += u * b3;        \
+                    r[4] += v * b0, r[5] += v * b1, r[6] += v * b2, r[7] += v * b3;        \
+                }                                                                          \
+                for (int64_t j = 0; j < nk; j++) {                                         \
+                    h[i * hs + k + j] = r[j];                                              \
+                    if (i + 1 < rows) h[(i + 1) * hs + k + j] = r[4 + j];                  \
+                }                                                                          \
+            }                                                                              \
+        }                                                                                  \
+    }
+
+DEFINE_SHRINK(shrink_f32, float, ld_f32, LD1_f32)
+DEFINE_SHRINK(shrink_bf16, uint16_t, ld_bf16, LD1_bf16)
+
+/* y[i, c] += scale * out[c] for c < n, with y's rounding */
+static inline void store_vec(char *y, int64_t y_dtype, int64_t at, vf out, float scale) {
+    if (y_dtype == DT_F32) {
+        float *p = (float *)y + at;
+        *(vf *)p = ld_f32(p) + scale * out;
+    } else {
+        uint16_t *p = (uint16_t *)y + at;
+        *(vh *)p = to_bf16(ld_bf16(p) + scale * out);
+    }
+}
+
+static inline void store_one(char *y, int64_t y_dtype, int64_t at, float out, float scale) {
+    if (y_dtype == DT_F32) {
+        ((float *)y)[at] += scale * out;
+    } else {
+        uint16_t *p = (uint16_t *)y + at;
+        *p = f2bf(bf2f(*p) + scale * out);
+    }
+}
+
+/* y[i, c0:c1] += scale * h_i @ BT[:, c0 - start : c1 - start] for every row i: two rows by 64
+ * columns at a time, the sums in eight registers over the ranks (each B^T load serves two
+ * rows), then 16 columns, then single ones. */
+#define DEFINE_EXPAND(NAME, W, LD, LD1)                                                    \
+    static void NAME(const float *restrict h, int64_t hs, int64_t rows, const module_t *m, \
+                     int64_t c0, int64_t c1, float scale, char *y, int64_t ys,             \
+                     int64_t y_dtype) {                                                    \
+        const W *B = (const W *)(intptr_t)m->b;                                            \
+        const int64_t bs = m->b_stride, rank = m->rank, off = m->start;                    \
+        for (int64_t i = 0; i < rows; i += 2) {                                            \
+            const int two = i + 1 < rows;                                                  \
+            const float *h0 = h + i * hs, *h1 = two ? h0 + hs : h0;                        \
+            int64_t c = c0;                                                                \
+            for (; c + 4 * VL <= c1; c += 4 * VL) {                                        \
+                vf s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};                                 \
+                vf t0 = {0}, t1 = {0}, t2 = {0}, t3 = {0};                                 \
+                for (int64_t k = 0; k < rank; k++) {                                       \
+                    const W *b = B + k * bs + (c - off);                                   \
+                    __builtin_prefetch(b + 4 * VL);  /* this rank's next 64 columns */     \
+                    __builtin_prefetch(b + 6 * VL);                                        \
+                    const vf b0 = LD(b), b1 = LD(b + VL), b2 = LD(b + 2 * VL);             \
+                    const vf b3 = LD(b + 3 * VL);                                          \
+                    const float p = h0[k], q = h1[k];                                      \
+                    s0 += p * b0, s1 += p * b1, s2 += p * b2, s3 += p * b3;                \
+                    t0 += q * b0, t1 += q * b1, t2 += q * b2, t3 += q * b3;                \
+                }                                                                          \
+                const int64_t r0 = i * ys + c, r1 = r0 + ys;                               \
+                store_vec(y, y_dtype, r0, s0, scale);                                      \
+                store_vec(y, y_dtype, r0 + VL, s1, scale);                                 \
+                store_vec(y, y_dtype, r0 + 2 * VL, s2, scale);                             \
+                store_vec(y, y_dtype, r0 + 3 * VL, s3, scale);                             \
+                if (two) {                                                                 \
+                    store_vec(y, y_dtype, r1, t0, scale);                                  \
+                    store_vec(y, y_dtype, r1 + VL, t1, scale);                             \
+                    store_vec(y, y_dtype, r1 + 2 * VL, t2, scale);                         \
+                    store_vec(y, y_dtype, r1 + 3 * VL, t3, scale);                         \
+                }                                                                          \
+            }                                                                              \
+            for (; c + VL <= c1; c += VL) {                                                \
+                vf s0 = {0}, t0 = {0};                                                     \
+                for (int64_t k = 0; k < rank; k++) {                                       \
+                    const vf b0 = LD(B + k * bs + (c - off));                              \
+                    s0 += h0[k] * b0, t0 += h1[k] * b0;                                    \
+                }                                                                          \
+                store_vec(y, y_dtype, i * ys + c, s0, scale);                              \
+                if (two) store_vec(y, y_dtype, (i + 1) * ys + c, t0, scale);               \
+            }                                                                              \
+            for (; c < c1; c++) {                                                          \
+                float s0 = 0, t0 = 0;                                                      \
+                for (int64_t k = 0; k < rank; k++) {                                       \
+                    const float b0 = LD1(B + k * bs + (c - off));                          \
+                    s0 += h0[k] * b0, t0 += h1[k] * b0;                                    \
+                }                                                                          \
+                store_one(y, y_dtype, i * ys + c, s0, scale);                              \
+                if (two) store_one(y, y_dtype, (i + 1) * ys + c, t0, scale);               \
+            }                                                                              \
+        }                                                                                  \
+    }
+
+DEFINE_EXPAND(expand_f32, float, ld_f32, LD1_f32)
+DEFINE_EXPAND(expand_bf16, uint16_t, ld_bf16, LD1_bf16)
+
+int64_t loraplex_lora_abi(void) { return 1; }
+
+/* Returns 0, or: 1 a segment's rows outside x, 2 a module's columns outside y, 3 A's row
+ * length is not d_in, 4 a bad dtype, 5 out of memory. Nothing is written unless it returns 0.
+ *
+ * x: [num_rows, d_in] rows x_stride elements apart, dtype io_dtype (0 float32, 1 bfloat16);
+ * y: [num_rows, y_cols] rows y_stride apart, the same dtype, updated in place;
+ * segs: segment_t[num_segments]; scales: float32[num_segments]. */
+int64_t loraplex_lora_short(const void *x, int64_t x_stride, void *y, int64_t y_stride,
+                            int64_t num_rows, int64_t d_in, int64_t y_cols, int64_t io_dtype,
+                            int64_t num_segments, const segment_t *segs, const float *scales,
+                            int64_t num_threads) {
+    if (io_dtype != DT_F32 && io_dtype != DT_BF16) return 4;
+    /* checks, then the sizes of h (every segment's rows x its modules' total rank) and of the
+     * work lists */
+    int64_t h_total = 0, num_shrinks = 0, num_items = 0;
+    for (int64_t s = 0; s < num_segments; s++) {
+        const segment_t *sg = &segs[s];
+        if (sg->lo < 0 || sg->hi > num_rows || sg->lo > sg->hi) return 1;
+        int64_t rank = 0;
+        for (int64_t j = 0; j < sg->num_modules; j++) {
+            const module_t *m = &modules_of(sg)[j];
+            if (m->start < 0 || m->end > y_cols || m->start > m->end) return 2;
+            if (m->d_in != d_in) return 3;
+            if (m->dtype != DT_F32 && m->dtype != DT_BF16) return 4;
+            const int64_t tile = tile_of(sg->hi - sg->lo, m->end - m->start);
+            rank += m->rank;
+            num_items += (m->end - m->start + tile - 1) / tile;
+        }
+        h_total += (sg->hi - sg->lo) * rank;
+        num_shrinks += sg->num_modules;
+    }
+    /* work items: shrinks per (segment, module), expands per (segment, module, tile), each
+     * with its h block (h_at, rows of h_stride = the segment's total rank) */
+    typedef struct {
+        const segment_t *sg;
+        const module_t *m;
+        int64_t c0, c1, h_at, h_stride;
+        float scale;
+    } work_t;
+    const int64_t xs = io_dtype == DT_F32 ? x_stride : d_in;
+    float *h = malloc((size_t)(h_total + 1) * sizeof(float));
+    work_t *work = malloc((size_t)(num_shrinks + num_items + 1) * sizeof(work_t));
+    float *xw = io_dtype == DT_BF16 ? malloc((size_t)(num_rows * d_in + 1) * sizeof(float))
+                                    : NULL;
+    if (h == NULL || work == NULL || (io_dtype == DT_BF16 && xw == NULL)) {
+        free(h);
+        free(work);
+        free(xw);
+        return 5;
+    }
+    int64_t ns = 0, ni = num_shrinks, h_at = 0;
+    for (int64_t s = 0; s < num_segments; s++) {
+        const segment_t *sg = &segs[s];
+        const module_t *mods = modules_of(sg);
+        if (xw != NULL)  /* x widened once for bf16, only the rows a segment uses */
+            for (int64_t i = sg->lo; i < sg->hi; i++)
+                widen((const uint16_t *)x + i * x_stride, xw + i * d_in, d_in);
+        int64_t rank = 0;
+        for (int64_t j = 0; j < sg->num_modules; j++) rank += mods[j].rank;
+        for (int64_t j = 0, r0 = 0; j < sg->num_modules; r0 += mods[j].rank, j++) {
+            const module_t *m = &mods[j];
+            work[ns++] = (work_t){sg, m, 0, 0, h_at + r0, rank, scales[s]};
+            const int64_t tile = tile_of(sg->hi - sg->lo, m->end - m->start);
+            for (int64_t c0 = m->start; c0 < m->end; c0 += tile)
+                work[ni++] = (work_t){sg, m, c0, c0 + tile < m->end ? c0 + tile : m->end,
+                                      h_at + r0, rank, scales[s]};
+        }
+        h_at += (sg->hi - sg->lo) * rank;
+    }
+    const float *xf = xw != NULL ? xw : (const float *)x;
+    const int64_t elem = io_dtype == DT_F32 ? 4 : 2;
+    const int nt = num_threads > 1 ? (int)num_threads : 1;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+#pragma omp for schedule(dynamic)
+        for (int64_t t = 0; t < num_shrinks; t++) {
+            const work_t *w = &work[t];
+            const int64_t rows = w->sg->hi - w->sg->lo;
+            if (t + 1 < num_shrinks)  /* the next item's A (the last: the first B tile) */
+                prefetch_rows(w[1].m->a, w[1].m->a_stride, w[1].m->rank, 0, d_in,
+                              w[1].m->dtype);
+            else if (num_items > 0)
+                prefetch_rows(w[1].m->b, w[1].m->b_stride, w[1].m->rank,
+                              w[1].c0 - w[1].m->start, w[1].c1 - w[1].c0, w[1].m->dtype);
+            (w->m->dtype == DT_F32 ? shrink_f32 : shrink_bf16)(
+                xf + w->sg->lo * xs, xs, rows, d_in, w->m, h + w->h_at, w->h_stride);
+        }
+#pragma omp for schedule(dynamic)
+        for (int64_t t = num_shrinks; t < num_shrinks + num_items; t++) {
+            const work_t *w = &work[t];
+            const int64_t rows = w->sg->hi - w->sg->lo;
+            if (t + 1 < num_shrinks + num_items)  /* the next item's B^T tile */
+                prefetch_rows(w[1].m->b, w[1].m->b_stride, w[1].m->rank,
+                              w[1].c0 - w[1].m->start, w[1].c1 - w[1].c0, w[1].m->dtype);
+            (w->m->dtype == DT_F32 ? expand_f32 : expand_bf16)(
+                h + w->h_at, w->h_stride, rows, w->m, w->c0, w->c1, w->scale,
+                (char *)y + w->sg->lo * y_stride * elem, y_stride, io_dtype);
+        }
+    }
+    free(h);
+    free(work);
+    free(xw);
+    return 0;
+}
