@@ -35,9 +35,11 @@ from loraplex.server import env
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["available", "library"]
+__all__ = ["ENGINE_KERNELS", "available", "build_engine_kernels", "library"]
 
 _SOURCES = Path(__file__).with_name("csrc")
+# the kernels the CPU engine calls: built when a CPU model runner starts, not on a request
+ENGINE_KERNELS = ("decode_attention", "elementwise", "lora")
 _FLAGS = ("-O3", "-march=native", "-std=c11", "-fPIC", "-shared", "-fopenmp",
           "-fno-math-errno", "-Wall")
 _lock = threading.Lock()
@@ -120,3 +122,13 @@ def library(name: str) -> ctypes.CDLL | None:
 def available(name: str) -> bool:
     """Whether ``library(name)`` loads (building it if needed)."""
     return library(name) is not None
+
+
+def build_engine_kernels() -> dict[str, bool]:
+    """Build (or load from the cache) every kernel the CPU engine calls, so that the first
+    request does not wait for a compiler: called when a CPU model runner starts.
+
+    Returns:
+        Each of ``ENGINE_KERNELS`` and whether it loaded (``False``: its torch path serves).
+    """
+    return {name: available(name) for name in ENGINE_KERNELS}

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from loraplex.kernels import native
 from loraplex.kernels.metadata import AttentionMetadata
 from loraplex.server.engine.adapter_cache import AdapterManager
 from loraplex.server.engine.batch import ScheduledBatch
@@ -80,6 +81,9 @@ class ModelRunner:
         self.kernels = kernels
         self.write_kv, self.attention = attention_kernels(kernels)
         self.lora_ops = lora_ops(kernels)
+        if self.device.type == "cpu" and kernels == "torch":
+            # the compile (about a second) happens at start-up, never in a request's latency
+            native.build_engine_kernels()
         # Set on tensor-parallel ranks (parallel/): the row-parallel layers' all-reduce.
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
 

@@ -35,12 +35,27 @@ def test_builds_loads_and_runs(fresh):
     assert native.library("selftest") is lib  # loaded once per process
 
 
-@pytest.mark.parametrize("name", ["decode_attention", "elementwise", "lora"])
-def test_every_engine_kernel_builds_where_a_compiler_exists(fresh, name):
+def test_every_engine_kernel_builds_where_a_compiler_exists(fresh):
     # the engine's kernels fall back to torch silently when a build fails: CI must not
     if native._compiler() is None:
         pytest.skip("no C compiler on this machine")
-    assert native.library(name) is not None
+    assert native.build_engine_kernels() == {name: True for name in native.ENGINE_KERNELS}
+    assert {p.name.split("-")[0] for p in (fresh / "cache" / "native").glob("*.so")} == set(
+        native.ENGINE_KERNELS)
+
+
+def test_a_cpu_engine_builds_its_kernels_before_any_request(fresh, tmp_path):
+    # the first request must not wait for the compiler: the model runner builds them at start
+    if native._compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    from loraplex.server.config import EngineConfig
+    from loraplex.server.engine.engine import Engine
+    from tests.helpers import make_model
+
+    model = make_model(tmp_path / "m", "llama", seed=1)
+    Engine(EngineConfig(model=str(model), num_pages=16))
+    assert set(native._loaded) == set(native.ENGINE_KERNELS)
+    assert all(native._loaded.values())
 
 
 def test_disabled_by_environment(fresh, monkeypatch):
