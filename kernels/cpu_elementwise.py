@@ -49,20 +49,22 @@ def available() -> bool:
     return _library() is not None
 
 
+def _takes(tensors: tuple[torch.Tensor, ...]) -> bool:
+    # all contiguous CPU tensors of one dtype, float32 or bfloat16
+    first = tensors[0]
+    return first.dtype in _DTYPES and all(
+        t.is_cpu and t.dtype == first.dtype and t.is_contiguous() for t in tensors)
+
+
 def usable(*tensors: torch.Tensor) -> bool:
     """Whether the native ops take these tensors: library loaded, all contiguous CPU tensors
     of one dtype, float32 or bfloat16."""
-    first = tensors[0]
-    if first.dtype not in _DTYPES:
-        return False
-    if not all(t.is_cpu and t.dtype == first.dtype and t.is_contiguous() for t in tensors):
-        return False
-    return _library() is not None
+    return _takes(tensors) and _library() is not None
 
 
 def _lib_for(*tensors: torch.Tensor) -> ctypes.CDLL:
     lib = _library()
-    if lib is None or not usable(*tensors):
+    if lib is None or not _takes(tensors):
         raise ValueError("native elementwise ops need contiguous CPU float32/bfloat16 tensors "
                          "of one dtype and the compiled library")
     return lib

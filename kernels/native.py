@@ -100,6 +100,10 @@ def library(name: str) -> ctypes.CDLL | None:
         ``None``: native kernels disabled, no C compiler, or the build failed (a warning
         names the reason, once per process).
     """
+    try:  # the hot path (every kernel call): a dict read, no lock
+        return _loaded[name]
+    except KeyError:
+        pass
     with _lock:
         if name in _loaded:
             return _loaded[name]

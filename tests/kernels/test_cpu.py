@@ -36,9 +36,20 @@ def random_step(rng: random.Random, gen: torch.Generator, dtype: torch.dtype
     if all(n == 1 and c == 0 for n, c in zip(q_lens, ctx_lens)):
         ctx_lens[0] = 7
     seq_lens = [n + c for n, c in zip(q_lens, ctx_lens)]
+    q, pool, meta = paged_step(rng, gen, dtype, q_lens, seq_lens, page_size, num_kv_heads,
+                               group, head_dim, spare_pages=6)
+    return q, pool, meta, page_size, num_kv_heads
+
+
+def paged_step(rng: random.Random, gen: torch.Generator, dtype: torch.dtype,
+               q_lens: list[int], seq_lens: list[int], page_size: int, num_kv_heads: int,
+               group: int, head_dim: int, spare_pages: int
+               ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A step's queries, a pool holding every sequence's K/V on shuffled pages, and the
+    step's metadata. Stale NaN everywhere no sequence wrote: page 0 (the tables' padding),
+    the ``spare_pages`` free ones, and the tail of every sequence's last page."""
     counts = [-(-s // page_size) for s in seq_lens]
-    num_pages = sum(counts) + 6
-    # Stale NaN everywhere no sequence wrote, page 0 (the tables' padding) included.
+    num_pages = sum(counts) + spare_pages
     pool = torch.full((num_pages, kv_page_elems(page_size, num_kv_heads, head_dim)),
                       float("nan"), dtype=dtype)
     free = list(range(1, num_pages))
@@ -49,8 +60,7 @@ def random_step(rng: random.Random, gen: torch.Generator, dtype: torch.dtype
     written = AttentionMetadata.build(tables, seq_lens, seq_lens, page_size)
     reference.write_kv(pool, k, v, written.slot_mapping, page_size)
     q = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, generator=gen).to(dtype)
-    meta = AttentionMetadata.build(tables, q_lens, seq_lens, page_size)
-    return q, pool, meta, page_size, num_kv_heads
+    return q, pool, AttentionMetadata.build(tables, q_lens, seq_lens, page_size)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -14,7 +14,7 @@ import torch
 from loraplex.kernels import cpu, cpu_native, native, reference
 from loraplex.kernels.layout import kv_page_elems
 from loraplex.kernels.metadata import AttentionMetadata
-from tests.kernels.test_cpu import ATTENTION_TOLERANCE
+from tests.kernels.test_cpu import ATTENTION_TOLERANCE, paged_step
 
 # Per dtype (rtol, atol, why), against the reference in float32 on the same stored values.
 TOLERANCE = {
@@ -40,21 +40,9 @@ def _step(rng: random.Random, gen: torch.Generator, dtype: torch.dtype, *, group
     order = list(range(len(lens)))
     rng.shuffle(order)
     q_lens, lens = [q_lens[i] for i in order], [lens[i] for i in order]
-    counts = [-(-n // page_size) for n in lens]
-    num_pages = sum(counts) + 5
-    # Stale NaN everywhere no sequence wrote: page 0 (the tables' padding), the free pages, and
-    # the tail of every sequence's last page.
-    pool = torch.full((num_pages, kv_page_elems(page_size, num_kv_heads, head_dim)),
-                      float("nan"), dtype=dtype)
-    free = list(range(1, num_pages))
-    rng.shuffle(free)
-    tables = [[free.pop() for _ in range(c)] for c in counts]
-    k = torch.randn(sum(lens), num_kv_heads, head_dim, generator=gen).to(dtype)
-    v = torch.randn(sum(lens), num_kv_heads, head_dim, generator=gen).to(dtype)
-    written = AttentionMetadata.build(tables, lens, lens, page_size)
-    reference.write_kv(pool, k, v, written.slot_mapping, page_size)
-    q = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, generator=gen).to(dtype)
-    return q, pool, AttentionMetadata.build(tables, q_lens, lens, page_size), num_kv_heads
+    q, pool, meta = paged_step(rng, gen, dtype, q_lens, lens, page_size, num_kv_heads, group,
+                               head_dim, spare_pages=5)
+    return q, pool, meta, num_kv_heads
 
 
 def _native_or_skip() -> None:
