@@ -167,16 +167,21 @@ class StepCostModel:
         self._errors: deque[float] = deque(maxlen=window)
         self._since_fit = 0
         self.num_observed = 0
+        self._fastest = 0.0  # the fastest step measured: no step is predicted below it
 
     def predict(self, shape: StepShape) -> float:
-        """Predicted seconds for a step of this shape (0.0 before anything is observed)."""
-        return float(np.dot(self._coef, shape.features()))
+        """Predicted seconds for a step of this shape (0.0 before anything is observed),
+        never below the fastest step measured: a noisy fit can give a term nothing (nnls
+        zeroes a coefficient), and a prediction of ~0 would let a step take a whole prompt
+        under any target."""
+        return max(float(np.dot(self._coef, shape.features())), self._fastest)
 
     def observe(self, shape: StepShape, seconds: float, calibration: bool = False) -> None:
         """Record a measured step. Calibration steps stay in the fit for good; others slide
         through the window. The first observations refit at once, later ones every
         ``refit_every``."""
         row = (shape.features(), float(seconds))
+        self._fastest = seconds if not self.num_observed else min(self._fastest, seconds)
         if not calibration and self.num_observed:
             self._errors.append(abs(self.predict(shape) - seconds))
         (self._anchors.append if calibration else self._recent.append)(row)

@@ -100,3 +100,16 @@ def test_model_tracks_a_change_in_speed():
 def test_window_and_refit_are_validated():
     with pytest.raises(ValueError, match="window"):
         StepCostModel(window=0)
+
+
+def test_no_prediction_falls_below_the_fastest_measured_step():
+    # steps whose time the fit cannot tell apart from noise: nnls may price prefill at 0, but
+    # a step is never predicted faster than any step measured (a zero would admit a whole
+    # prompt under any target)
+    model = StepCostModel()
+    decode = StepShape(0, 8, 800, 0, 0)
+    for seconds in (0.010, 0.030, 0.012, 0.031):
+        model.observe(decode, seconds, calibration=True)
+    prefill = StepShape(31, 0, 496, 0, 0)
+    assert model.predict(prefill) >= 0.010
+    assert model.predict(StepShape(0, 0, 0, 0, 0)) >= 0.010
