@@ -32,7 +32,8 @@ def paged_attention(q: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetad
                     page_size: int, num_kv_heads: int, scale: float) -> torch.Tensor:
     """``reference.paged_attention`` (same semantics, arguments and result): decodes in one
     native call (``cpu_native.decode``) or, without it, batched in groups through torch ops;
-    prefill chunks one sequence at a time through SDPA."""
+    prefill chunks in one native call (``cpu_native.prefill``) or one sequence at a time
+    through SDPA."""
     pool = kv_view(kv_pool, page_size, num_kv_heads)
     out = torch.empty_like(q)
     starts = list(itertools.accumulate(meta.q_lens, initial=0))
@@ -40,11 +41,14 @@ def paged_attention(q: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetad
     if decode_rows and not cpu_native.decode(q, kv_pool, meta, decode_rows, starts, out,
                                              page_size, num_kv_heads, scale):
         _decode(q, pool, meta, decode_rows, starts, out, scale)
-    for s, n in enumerate(meta.q_lens):
-        if n > 1:
-            rows = slice(starts[s], starts[s] + n)
-            out[rows] = _prefill_one(q[rows], pool, meta.page_table[s],
-                                     meta.seq_lens_host[s], scale)
+    prefill_rows = [s for s, n in enumerate(meta.q_lens) if n > 1]
+    if not prefill_rows or cpu_native.prefill(q, kv_pool, meta, prefill_rows, starts, out,
+                                              page_size, num_kv_heads, scale):
+        return out
+    for s in prefill_rows:
+        rows = slice(starts[s], starts[s] + meta.q_lens[s])
+        out[rows] = _prefill_one(q[rows], pool, meta.page_table[s], meta.seq_lens_host[s],
+                                 scale)
     return out
 
 

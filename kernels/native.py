@@ -39,7 +39,7 @@ __all__ = ["ENGINE_KERNELS", "available", "build_engine_kernels", "library"]
 
 _SOURCES = Path(__file__).with_name("csrc")
 # the kernels the CPU engine calls: built when a CPU model runner starts, not on a request
-ENGINE_KERNELS = ("decode_attention", "elementwise", "lora")
+ENGINE_KERNELS = ("decode_attention", "elementwise", "lora", "prefill_attention")
 _FLAGS = ("-O3", "-march=native", "-std=c11", "-fPIC", "-shared", "-fopenmp",
           "-fno-math-errno", "-Wall")
 _lock = threading.Lock()
@@ -68,7 +68,8 @@ def _machine_key() -> str:
 
 def _build(name: str, compiler: str) -> Path:
     source = _SOURCES / f"{name}.c"
-    text = source.read_bytes()
+    # every header of csrc/ is part of the key: a source may include any of them
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(_SOURCES.glob("*.h")))
     key = hashlib.sha256(text + repr((compiler, _FLAGS, _machine_key())).encode()).hexdigest()
     out_dir = env.cache_dir() / "native"
     target = out_dir / f"{name}-{key[:16]}.so"

@@ -1,0 +1,268 @@
+/* Paged prefill attention for the CPU backend: every sequence of a step with more than one
+ * query row (a prompt chunk, or a decode row with its speculative drafts), causal, K and V
+ * read from the pool through the page table, float32 arithmetic.
+ *
+ * Semantics, for prefill sequence i (query rows q_starts[i] .. q_starts[i] + n - 1 with
+ * n = q_lens[i], table row t = table_rows[i], KV length L = seq_lens[i] once this step's K/V
+ * are written, so query a (0 <= a < n) sits at position L - n + a) and query head j of KV
+ * head h = j / G (G = num_heads / num_kv_heads):
+ *     s[p]            = scale * dot(q[q_starts[i] + a, j], K[t, p, h])   for p <= L - n + a
+ *     out[.. + a, j]  = sum_p softmax(s)[p] * V[t, p, h]
+ * with K[t, p, h] = pool[page, 0, p % P, h] and page = page_table[t, p / P] (V at index 1):
+ * the pool seen as [num_pages, 2, P, Hkv, D] (kernels/reference.py kv_view). Positions past a
+ * query's own are never read into its sum, and positions at or past L are never read at all
+ * (a stale slot may hold NaN or inf).
+ *
+ * Tensors: q [T, Hq, D] and out [T, Hq, D] with token strides q_stride / out_stride elements
+ * (heads and D contiguous); pool [num_pages, 2, P, Hkv, D] one layer; page_table [S,
+ * table_stride] int32; q_starts, q_lens, table_rows, seq_lens [num_seqs] int64. Elements are
+ * float32 or bfloat16, one dtype for q, pool and out. D must be a multiple of 16.
+ *
+ * A task is a sequence, one KV head and a block of up to QBLOCK queries. It gathers the keys
+ * the block can see, transposed ([D, L'] with L' rounded up to 32, zero past the end), and
+ * the values ([L', D]), into per-thread float32 buffers once; then the G * QBLOCK query rows
+ * go four at a time through two register-blocked products: scores = Q K^T as 4 x 32 tiles
+ * (each key column loaded once for four rows), an exact softmax per row over the keys it may
+ * see (the block's later keys masked to -inf, so exp gives 0), and out = P V as 4 x D tiles
+ * (each value row loaded once for four rows). The causal upper triangle is skipped a tile of
+ * 32 keys at a time. Against torch's fused SDPA on one sequence at a time (the torch path,
+ * cpu._prefill_one): see docs/benchmarks.md.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "attention.h"
+
+#define QBLOCK 64 /* queries per task: enough work to amortise the gather, and tasks to share */
+#define KTILE 32  /* keys per score tile: two vectors */
+
+typedef struct {
+    const void *q, *pool;
+    const int32_t *page_table;
+    const int64_t *q_starts, *q_lens, *table_rows, *seq_lens;
+    const int64_t *task_seq, *task_q0; /* each task's sequence and first query */
+    void *out;
+    int64_t q_stride, table_stride, out_stride, max_keys;
+    int Hkv, G, D, P;
+    float scale;
+} Call;
+
+INLINE v16f load16f(const float *p) { return *(const v16f_u *)p; }
+INLINE void store16f(float *p, v16f v) { *(v16f_u *)p = v; }
+
+/* Keys 0 .. nk - 1 of KV head h into kt ([D, ldk], transposed, zero from nk to ldk) and their
+ * values into v ([nk, D]), float32. */
+INLINE void gather(const Call *c, const int32_t *pages, int64_t nk, int64_t ldk, int h, int bf16,
+                   const int D, float *restrict kt, float *restrict v) {
+    const int64_t esize = bf16 ? 2 : 4;
+    const int64_t row = (int64_t)c->Hkv * D; /* elements of one token's K (or V) */
+    for (int64_t p = 0; p < nk; p++) {
+        const int64_t page = pages[p / c->P], slot = p % c->P;
+        const char *k = (const char *)c->pool
+                        + ((page * 2 * c->P + slot) * row + (int64_t)h * D) * esize;
+        const char *vv = k + (int64_t)c->P * row * esize;
+        float *vrow = v + p * D;
+        if (bf16) {
+            for (int d = 0; d < D; d++) {
+                kt[(int64_t)d * ldk + p] = bf16_to_f32(((const uint16_t *)k)[d]);
+                vrow[d] = bf16_to_f32(((const uint16_t *)vv)[d]);
+            }
+        } else {
+            for (int d = 0; d < D; d++) kt[(int64_t)d * ldk + p] = ((const float *)k)[d];
+            memcpy(vrow, vv, sizeof(float) * (size_t)D);
+        }
+    }
+    for (int d = 0; d < D; d++)
+        for (int64_t p = nk; p < ldk; p++) kt[(int64_t)d * ldk + p] = 0.0f;
+}
+
+/* NR (1 or 4) query rows qf[r * D ..] with key limits lim[r] (row r sees keys < lim[r]; the
+ * largest is lim[NR - 1]): their attention outputs into o[r * D ..], float32. s: NR * ldk. */
+INLINE void rows_attend(const float *restrict qf, const int64_t *lim, const int NR, const int D,
+                        const float *restrict kt, int64_t ldk, const float *restrict v,
+                        float scale, float *restrict s, float *restrict o) {
+    const int64_t top = lim[NR - 1], tiles = (top + KTILE - 1) / KTILE;
+    /* scores, 4 x 32 at a time: each key column is loaded once for the NR rows */
+    for (int64_t t = 0; t < tiles; t++) {
+        v16f acc[4][2];
+        for (int r = 0; r < NR; r++) acc[r][0] = acc[r][1] = (v16f){0};
+        const float *col = kt + t * KTILE;
+        for (int d = 0; d < D; d++) {
+            const v16f k0 = load16f(col + (int64_t)d * ldk), k1 = load16f(col + (int64_t)d * ldk + 16);
+            for (int r = 0; r < NR; r++) {
+                const float qd = qf[r * D + d];
+                acc[r][0] += qd * k0;
+                acc[r][1] += qd * k1;
+            }
+        }
+        for (int r = 0; r < NR; r++) {
+            store16f(s + r * ldk + t * KTILE, acc[r][0] * scale);
+            store16f(s + r * ldk + t * KTILE + 16, acc[r][1] * scale);
+        }
+    }
+    /* exact softmax per row over its own keys; the rest of its tiles -inf, so exp gives 0 */
+    float inv[4];
+    for (int r = 0; r < NR; r++) {
+        float *sr = s + r * ldk;
+        for (int64_t p = lim[r]; p < tiles * KTILE; p++) sr[p] = -INFINITY;
+        v16f vm = (v16f){0} - INFINITY;
+        for (int64_t p = 0; p < tiles * KTILE; p += 16) {
+            const v16f x = load16f(sr + p);
+            vm = (v16f)(((v16i)x & (x > vm)) | ((v16i)vm & ~(x > vm)));
+        }
+        float m = -INFINITY;
+        for (int e = 0; e < 16; e++) m = vm[e] > m ? vm[e] : m;
+        v16f vs = {0};
+        for (int64_t p = 0; p < tiles * KTILE; p += 16) {
+            const v16f x = exp16(load16f(sr + p) - m);
+            store16f(sr + p, x);
+            vs += x;
+        }
+        inv[r] = 1.0f / hsum16(vs);
+    }
+    /* out = P V, NR x D at a time: each value row is loaded once for the NR rows */
+    v16f acc[4][D / 16];
+    for (int r = 0; r < NR; r++)
+        for (int e = 0; e < D / 16; e++) acc[r][e] = (v16f){0};
+    for (int64_t p = 0; p < top; p++) {
+        const float *vr = v + p * D;
+        for (int e = 0; e < D / 16; e++) {
+            const v16f ve = load16f(vr + 16 * e);
+            for (int r = 0; r < NR; r++) acc[r][e] += s[r * ldk + p] * ve;
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int e = 0; e < D / 16; e++) store16f(o + r * D + 16 * e, acc[r][e] * inv[r]);
+}
+
+/* Task `task`: KV head task % Hkv of its sequence, queries task_q0 .. + QBLOCK. buf holds
+ * D * ldk + ldk * D + 4 * ldk + 8 * D floats for ldk = max_keys rounded up to KTILE. */
+INLINE void task_body(const Call *c, int64_t task, float *buf, int bf16, const int D) {
+    const int h = (int)(task % c->Hkv);
+    const int64_t block = task / c->Hkv, i = c->task_seq[block], a0 = c->task_q0[block];
+    const int64_t n = c->q_lens[i], L = c->seq_lens[i];
+    const int64_t na = n - a0 < QBLOCK ? n - a0 : QBLOCK;
+    const int64_t nk = L - n + a0 + na; /* keys the block's last query sees */
+    const int64_t ldk = (nk + KTILE - 1) / KTILE * KTILE;
+    const int64_t ldmax = (c->max_keys + KTILE - 1) / KTILE * KTILE;
+    float *kt = buf, *v = kt + (int64_t)D * ldmax, *s = v + ldmax * D, *qf = s + 4 * ldmax;
+    float *o = qf + 4 * D;
+    gather(c, c->page_table + c->table_rows[i] * c->table_stride, nk, ldk, h, bf16, D, kt, v);
+    const int64_t esize = bf16 ? 2 : 4;
+    for (int g = 0; g < c->G; g++) {
+        const int64_t head = (int64_t)(h * c->G + g) * D;
+        for (int64_t a = 0; a < na;) {
+            const int nr = na - a >= 4 ? 4 : 1;
+            int64_t lim[4];
+            for (int r = 0; r < nr; r++) {
+                const int64_t row = c->q_starts[i] + a0 + a + r;
+                const char *qr = (const char *)c->q + (row * c->q_stride + head) * esize;
+                for (int d = 0; d < D; d++)
+                    qf[r * D + d] = bf16 ? bf16_to_f32(((const uint16_t *)qr)[d])
+                                         : ((const float *)qr)[d];
+                lim[r] = L - n + a0 + a + r + 1;
+            }
+            if (nr == 4) {
+                rows_attend(qf, lim, 4, D, kt, ldk, v, c->scale, s, o);
+            } else {
+                rows_attend(qf, lim, 1, D, kt, ldk, v, c->scale, s, o);
+            }
+            for (int r = 0; r < nr; r++) {
+                const int64_t row = c->q_starts[i] + a0 + a + r;
+                char *orow = (char *)c->out + (row * c->out_stride + head) * esize;
+                if (bf16) {
+                    for (int d = 0; d < D; d++)
+                        ((uint16_t *)orow)[d] = f32_to_bf16(o[r * D + d]);
+                } else {
+                    memcpy(orow, o + r * D, sizeof(float) * (size_t)D);
+                }
+            }
+            a += nr;
+        }
+    }
+}
+
+typedef void (*TaskFn)(const Call *, int64_t, float *);
+
+#define SPECIALISE(NAME, BF16, DIM)                                                        \
+    static void NAME(const Call *c, int64_t task, float *buf) {                            \
+        task_body(c, task, buf, BF16, DIM);                                                \
+    }
+SPECIALISE(task_f32_d64, 0, 64)
+SPECIALISE(task_f32_d128, 0, 128)
+SPECIALISE(task_bf16_d64, 1, 64)
+SPECIALISE(task_bf16_d128, 1, 128)
+
+/* Any other multiple of 16 up to 256: D a run-time value, the tiles' arrays at their largest. */
+static void task_f32_any(const Call *c, int64_t task, float *buf) {
+    switch (c->D) {
+#define CASE(DIM) case DIM: task_body(c, task, buf, 0, DIM); break;
+        CASE(16) CASE(32) CASE(48) CASE(80) CASE(96) CASE(112) CASE(144) CASE(160) CASE(176)
+        CASE(192) CASE(208) CASE(224) CASE(240) CASE(256)
+#undef CASE
+        default: break;
+    }
+}
+static void task_bf16_any(const Call *c, int64_t task, float *buf) {
+    switch (c->D) {
+#define CASE(DIM) case DIM: task_body(c, task, buf, 1, DIM); break;
+        CASE(16) CASE(32) CASE(48) CASE(80) CASE(96) CASE(112) CASE(144) CASE(160) CASE(176)
+        CASE(192) CASE(208) CASE(224) CASE(240) CASE(256)
+#undef CASE
+        default: break;
+    }
+}
+
+/* dtype: 0 float32, 1 bfloat16. Returns 0 on success, 1 if a buffer could not be allocated
+ * (some rows then unwritten: the caller runs its torch path), 2 for a bad argument (an unknown
+ * dtype, a non-positive size, D not a multiple of 16 or over 256, a query count over its
+ * sequence's length). */
+int loraplex_prefill_attention(const void *q, int64_t q_stride, const void *pool,
+                               const int32_t *page_table, int64_t table_stride,
+                               const int64_t *q_starts, const int64_t *q_lens,
+                               const int64_t *table_rows, const int64_t *seq_lens, void *out,
+                               int64_t out_stride, int64_t num_seqs, int Hkv, int G, int D, int P,
+                               float scale, int num_threads, int dtype) {
+    if (num_seqs <= 0) return 0;
+    if (Hkv <= 0 || G <= 0 || D <= 0 || D % 16 || D > 256 || P <= 0 || num_threads <= 0
+        || (dtype != 0 && dtype != 1))
+        return 2;
+    int64_t blocks = 0, max_keys = 0;
+    for (int64_t i = 0; i < num_seqs; i++) {
+        if (q_lens[i] <= 0 || q_lens[i] > seq_lens[i]) return 2;
+        blocks += (q_lens[i] + QBLOCK - 1) / QBLOCK;
+        max_keys = seq_lens[i] > max_keys ? seq_lens[i] : max_keys;
+    }
+    int64_t *plan = malloc(sizeof(int64_t) * 2 * (size_t)blocks);
+    if (plan == NULL) return 1;
+    for (int64_t i = 0, b = 0; i < num_seqs; i++)
+        for (int64_t a = 0; a < q_lens[i]; a += QBLOCK, b++) plan[b] = i, plan[blocks + b] = a;
+    static const TaskFn fns[2][3] = {{task_f32_d64, task_f32_d128, task_f32_any},
+                                     {task_bf16_d64, task_bf16_d128, task_bf16_any}};
+    const TaskFn fn = fns[dtype][D == 64 ? 0 : D == 128 ? 1 : 2];
+    const Call c = {q, pool, page_table, q_starts, q_lens, table_rows, seq_lens, plan,
+                    plan + blocks, out, q_stride, table_stride, out_stride, max_keys,
+                    Hkv, G, D, P, scale};
+    const int64_t num_tasks = blocks * Hkv;
+    const int64_t ldmax = (max_keys + KTILE - 1) / KTILE * KTILE;
+    const size_t buf_floats = (size_t)(2 * D * ldmax + 4 * ldmax + 8 * D);
+    int failed = 0;
+
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_tasks > 1)
+    {
+        float *buf = malloc(sizeof(float) * buf_floats);
+        if (buf == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < num_tasks; task++) {
+            if (buf != NULL) fn(&c, task, buf);
+        }
+        free(buf);
+    }
+    free(plan);
+    return failed;
+}

@@ -1,0 +1,164 @@
+"""The native prefill attention (``kernels/csrc/prefill_attention.c`` through
+``kernels/cpu_native.prefill``) against the plain reference: whole prompts and chunks on top of
+a cached context, query counts across the kernel's 64-query blocks and its 4-row tiles, GQA,
+head sizes on the fast paths (64, 128) and the generic one (80, 16), two page sizes, stale NaN
+and inf in every slot no sequence owns, decode rows in the same step, one and two threads; and
+where it does not apply (the torch path runs, with the same values)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from loraplex.kernels import cpu, cpu_native, native, reference
+from loraplex.kernels.layout import kv_page_elems
+from loraplex.kernels.metadata import AttentionMetadata
+from tests.kernels.test_cpu import paged_step
+from tests.kernels.test_native_attention import TOLERANCE
+
+
+def _native_or_skip() -> None:
+    if native.library("prefill_attention") is None:
+        pytest.skip("native kernels unavailable (no C compiler or LORAPLEX_NATIVE_KERNELS=0)")
+
+
+@pytest.fixture()
+def no_torch_prefill(monkeypatch):
+    """Fail if the torch prefill path runs: these tests are about the native one."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the torch prefill path ran")
+    monkeypatch.setattr(cpu, "_prefill_one", refuse)
+
+
+def _step(rng: random.Random, gen: torch.Generator, dtype: torch.dtype, *, group: int,
+          head_dim: int, page_size: int, decodes: bool
+          ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, int]:
+    num_kv_heads = rng.choice([1, 2, 3])
+    # whole prompts of 2, 3 (under one 4-row tile), 64 and 65 (one block, and one more row),
+    # 130 (three blocks); chunks on top of a cached context; random ones
+    q_lens = [2, 3, 64, 65, 130, 5, 70] + [rng.randint(2, 90) for _ in range(rng.randint(1, 4))]
+    lens = [2, 3, 64, 65, 130, 5 + 37, 70 + 100] + [
+        n + rng.choice([0, rng.randint(1, 120)]) for n in q_lens[7:]]
+    if decodes:
+        q_lens += [1, 1]
+        lens += [1, rng.randint(2, 150)]
+    order = list(range(len(lens)))
+    rng.shuffle(order)
+    q_lens, lens = [q_lens[i] for i in order], [lens[i] for i in order]
+    q, pool, meta = paged_step(rng, gen, dtype, q_lens, lens, page_size, num_kv_heads, group,
+                               head_dim, spare_pages=5)
+    return q, pool, meta, num_kv_heads
+
+
+CASES = [  # (group, head_dim, page_size)
+    (1, 64, 16), (3, 64, 32), (4, 64, 16), (1, 128, 32), (3, 128, 16), (2, 80, 16), (3, 16, 32),
+]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("decodes", [False, True], ids=["prefill", "mixed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES, ids=[f"g{g}-d{d}-p{p}" for g, d, p in CASES])
+def test_matches_reference(case: tuple[int, int, int], dtype: torch.dtype, decodes: bool,
+                           threads: int, no_torch_prefill) -> None:
+    _native_or_skip()
+    group, head_dim, page_size = case
+    seed = 100 + CASES.index(case) * 4 + 2 * (dtype == torch.bfloat16) + decodes
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    q, pool, meta, num_kv_heads = _step(rng, gen, dtype, group=group, head_dim=head_dim,
+                                        page_size=page_size, decodes=decodes)
+    scale = head_dim ** -0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu.paged_attention(q, pool, meta, page_size, num_kv_heads, scale)
+    finally:
+        torch.set_num_threads(before)
+    expected = reference.paged_attention(q.float(), pool.float(), meta, page_size,
+                                         num_kv_heads, scale)
+    assert out.dtype == dtype and out.isfinite().all()
+    rtol, atol, _ = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected, rtol=rtol, atol=atol)
+    # the next layer of the step reuses the cached per-step arrays: the same result
+    assert torch.equal(cpu.paged_attention(q, pool, meta, page_size, num_kv_heads, scale), out)
+
+
+def test_reads_no_stale_slot_and_only_its_rows(no_torch_prefill) -> None:
+    # A 5-token prompt on a 16-slot page whose other 11 slots hold inf and NaN (reading any of
+    # them would make the result non-finite), after a decode row the call must not touch.
+    _native_or_skip()
+    page_size, num_kv_heads, head_dim = 16, 2, 64
+    pool = torch.full((3, kv_page_elems(page_size, num_kv_heads, head_dim)), float("inf"))
+    pool[:, 1::2] = float("nan")
+    k, v = torch.randn(5, num_kv_heads, head_dim), torch.randn(5, num_kv_heads, head_dim)
+    written = AttentionMetadata.build([[2]], [5], [5], page_size)
+    reference.write_kv(pool, k, v, written.slot_mapping, page_size)
+    meta = AttentionMetadata.build([[1], [2]], [1, 5], [1, 5], page_size)
+    q = torch.randn(6, num_kv_heads * 3, head_dim)
+    out = torch.full_like(q, 7.0)
+    assert cpu_native.prefill(q, pool, meta, [1], [0, 1, 6], out, page_size, num_kv_heads,
+                              0.125)
+    expected = reference.paged_attention(q[1:], pool, AttentionMetadata.build(
+        [[2]], [5], [5], page_size), page_size, num_kv_heads, 0.125)
+    assert out[1:].isfinite().all() and torch.equal(out[0], torch.full_like(out[0], 7.0))
+    torch.testing.assert_close(out[1:], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_causal_a_later_key_changes_nothing_before_it(no_torch_prefill) -> None:
+    # Query a sees keys 0..a only: overwrite the last key and value with huge values and every
+    # earlier query's output must stay bit for bit the same.
+    _native_or_skip()
+    rng, gen = random.Random(7), torch.Generator().manual_seed(7)
+    q, pool, meta = paged_step(rng, gen, torch.float32, [70], [70], 16, 2, 2, 64, 2)
+    out = cpu.paged_attention(q, pool, meta, 16, 2, 0.125)
+    last = meta.slot_mapping[-1].item()
+    page, slot = divmod(last, 16)
+    view = reference.kv_view(pool, 16, 2)
+    view[page, :, slot] = 1e4
+    changed = cpu.paged_attention(q, pool, dataclasses.replace(meta, derived={}), 16, 2, 0.125)
+    assert torch.equal(changed[:69], out[:69]) and not torch.equal(changed[69], out[69])
+
+
+@pytest.mark.parametrize("head_dim", [40, 72])
+def test_other_head_sizes_take_the_torch_path(head_dim: int, monkeypatch) -> None:
+    _native_or_skip()
+    rng, gen = random.Random(head_dim), torch.Generator().manual_seed(head_dim)
+    q, pool, meta = paged_step(rng, gen, torch.float32, [9, 1], [20, 5], 16, 2, 2, head_dim, 2)
+    assert not cpu_native.prefill(q, pool, meta, [0], [0, 9, 10], torch.empty_like(q), 16, 2,
+                                  head_dim ** -0.5)
+    ran = []
+    torch_prefill = cpu._prefill_one
+    monkeypatch.setattr(cpu, "_prefill_one",
+                        lambda *a, **kw: ran.append(1) or torch_prefill(*a, **kw))
+    out = cpu.paged_attention(q, pool, meta, 16, 2, head_dim ** -0.5)
+    expected = reference.paged_attention(q, pool, meta, 16, 2, head_dim ** -0.5)
+    assert ran == [1]
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_disabled_takes_the_torch_path_with_the_same_result(monkeypatch) -> None:
+    _native_or_skip()
+    rng, gen = random.Random(5), torch.Generator().manual_seed(5)
+    q, pool, meta, num_kv_heads = _step(rng, gen, torch.float32, group=3, head_dim=64,
+                                        page_size=16, decodes=True)
+    native_out = cpu.paged_attention(q, pool, meta, 16, num_kv_heads, 0.125)
+    monkeypatch.setenv("LORAPLEX_NATIVE_KERNELS", "0")
+    monkeypatch.setattr(native, "_loaded", {})  # a fresh process's loader
+    torch_out = cpu.paged_attention(q, pool, dataclasses.replace(meta, derived={}), 16,
+                                    num_kv_heads, 0.125)
+    assert native.library("prefill_attention") is None
+    torch.testing.assert_close(torch_out, native_out, rtol=1e-5, atol=1e-5)
+
+
+def test_a_query_count_over_its_length_is_a_clear_error() -> None:
+    # The engine never asks this; a caller that does gets an error naming the kernel, not a
+    # read past the sequence's pages.
+    _native_or_skip()
+    rng, gen = random.Random(3), torch.Generator().manual_seed(3)
+    q, pool, meta = paged_step(rng, gen, torch.float32, [8], [8], 16, 1, 1, 64, 2)
+    bad = dataclasses.replace(meta, seq_lens_host=(4,), derived={})
+    with pytest.raises(RuntimeError, match="prefill_attention: bad arguments"):
+        cpu_native.prefill(q, pool, bad, [0], [0, 8], torch.empty_like(q), 16, 1, 0.125)
