@@ -1,5 +1,8 @@
 """Decode attention on CPU: the native C kernel (``kernels/cpu_native.decode``) against the torch
-path (``kernels/cpu._decode``) at SmolLM2's shapes, interleaved, in CPU time.
+path (``kernels/cpu._decode``) at SmolLM2's shapes, interleaved, in CPU time; with
+``--prefill``, prefill attention (``kernels/cpu_native.prefill`` against SDPA per sequence,
+``kernels/cpu._prefill_one``): every sequence a whole prompt of ``--context`` tokens, or, with
+``--chunk N``, its last N tokens on top of the rest as a cached context.
 
 One "step" is ``--layers`` layers, each with its own pool (so, as in the engine, a layer's K/V
 are not left in cache by the previous one), every sequence decoding one token over a context
@@ -9,6 +12,8 @@ times is the number to quote.
 
     OMP_NUM_THREADS=1 flock /work/wt/bench.lock .venv/bin/python \\
         benchmarks/decode_attention_bench.py --dtype float32 bfloat16 --page-size 16 32
+    OMP_NUM_THREADS=1 flock /work/wt/bench.lock .venv/bin/python \
+        benchmarks/decode_attention_bench.py --prefill --num-seqs 16 --context 64 128
 """
 
 from __future__ import annotations
@@ -37,20 +42,33 @@ def _setup(args: argparse.Namespace, dtype: torch.dtype, page_size: int):
     for c in counts:
         tables.append(order[i:i + c])
         i += c
-    meta = AttentionMetadata.build(tables, [1] * len(lens), lens, page_size)
+    q_lens = [1] * len(lens)
+    if args.prefill:
+        q_lens = [min(n, args.chunk) if args.chunk else n for n in lens]
+    meta = AttentionMetadata.build(tables, q_lens, lens, page_size)
     elems = kv_page_elems(page_size, args.kv_heads, args.head_dim)
     pools = [torch.randn(sum(counts) + 1, elems).to(dtype) for _ in range(args.layers)]
-    q = torch.randn(len(lens), args.heads, args.head_dim).to(dtype)
+    q = torch.randn(sum(q_lens), args.heads, args.head_dim).to(dtype)
     return q, pools, meta
 
 
 def _run(path: str, q, pools, meta, page_size: int, kv_heads: int, scale: float) -> float:
     rows = list(range(meta.num_seqs))
-    starts = list(range(meta.num_seqs + 1))
+    starts = list(itertools.accumulate(meta.q_lens, initial=0))
     out = torch.empty_like(q)
     t0 = time.process_time()
     for pool in pools:
-        if path == "native":
+        if meta.max_query_len > 1 and path == "native":
+            if not cpu_native.prefill(q, pool, meta, rows, starts, out, page_size, kv_heads,
+                                      scale):
+                raise RuntimeError("the native kernel declined")
+        elif meta.max_query_len > 1:
+            view = kv_view(pool, page_size, kv_heads)
+            for s in rows:
+                lo, hi = starts[s], starts[s + 1]
+                out[lo:hi] = cpu._prefill_one(q[lo:hi], view, meta.page_table[s],
+                                              meta.seq_lens_host[s], scale)
+        elif path == "native":
             if not cpu_native.decode(q, pool, meta, rows, starts, out, page_size, kv_heads,
                                      scale):
                 raise RuntimeError("the native kernel declined")
@@ -71,10 +89,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--steps", type=int, default=20, help="interleaved steps per path")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefill", action="store_true", help="prefill attention instead")
+    parser.add_argument("--chunk", type=int, default=0,
+                        help="with --prefill: query rows per sequence (0: the whole prompt)")
     args = parser.parse_args()
-    if native.library("decode_attention") is None:
+    if native.library("prefill_attention" if args.prefill else "decode_attention") is None:
         raise SystemExit("native kernels unavailable")
-    print(f"threads {torch.get_num_threads()}, {args.num_seqs} sequences, context "
+    what = (f"prefill ({f'chunks of {args.chunk}' if args.chunk else 'whole prompts'})"
+            if args.prefill else "decode")
+    print(f"{what}, threads {torch.get_num_threads()}, {args.num_seqs} sequences, context "
           f"{args.context[0]}-{args.context[1]}, heads {args.heads}/{args.kv_heads}, "
           f"D {args.head_dim}, {args.layers} layers; CPU us per layer, median of "
           f"{args.steps} interleaved steps")

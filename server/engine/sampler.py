@@ -177,14 +177,13 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         logits = apply_bitmask(logits, raw, metadata.allowed_token_bitmask)
     # A row is unusable if it holds NaN or +inf, or masks every token: its maximum (which
     # propagates NaN) is then not finite. One reduction, not a pass per condition.
-    failed = ~logits.amax(-1).isfinite()  # [R]
+    # torch.max over the rows gives both in one pass: the maxima and the first index of each.
+    maxes, argmax = logits.max(dim=-1)  # [R], [R]
+    failed = ~maxes.isfinite()
     # The argmax is the token of greedy rows only (a failed row's token is unspecified).
-    token_ids = [0] * num_rows
     greedy_rows = [i for i in range(num_rows) if greedy[i]]
-    if greedy_rows:
-        picked = logits[torch.tensor(greedy_rows, device=logits.device)].argmax(dim=-1)
-        for i, t in zip(greedy_rows, picked.tolist()):
-            token_ids[i] = t
+    picked = argmax.tolist() if greedy_rows else []
+    token_ids = [picked[i] if greedy[i] else 0 for i in range(num_rows)]
     probs_out = None
     if metadata.return_probs:
         probs_out = torch.zeros(num_rows, vocab, dtype=torch.float32)

@@ -55,6 +55,29 @@ def test_non_finite_rows_are_reported_not_raised():
     assert sample(torch.randn(6, VOCAB), tiny).failed_rows == (0, 1, 4, 5)
 
 
+def test_greedy_rows_take_the_first_maximum_and_fail_on_nan_or_inf():
+    # All-greedy batches take the one-pass path (the maxima and their indices together):
+    # ties go to the lowest token id, as argmax gives them; a NaN anywhere or a +inf, or a row
+    # of -inf, fails the row, whatever its argmax.
+    logits = torch.randn(7, VOCAB, generator=torch.Generator().manual_seed(2))
+    logits[0, [4, 9, 30]] = 50.0  # a three-way tie at the top
+    logits[1, [VOCAB - 1, 0]] = 60.0  # tie at both ends of the row
+    logits[2, 11] = float("nan")
+    logits[3, 5] = float("inf")
+    logits[4] = float("-inf")
+    logits[5, 17] = float("nan")
+    logits[5, 18] = 1e30  # a huge finite value beside the NaN: still failed
+    out = sample(logits, SamplingMetadata.from_requests([_request(i) for i in range(7)]))
+    assert out.failed_rows == (2, 3, 4, 5)
+    assert out.token_ids[0] == 4 and out.token_ids[1] == 0
+    assert out.token_ids[6] == int(logits[6].argmax())
+    # and beside drawn rows (the working copy's path), the same greedy tokens
+    mixed = [_request(i, **({} if i % 2 == 0 else dict(temperature=0.8))) for i in range(7)]
+    out2 = sample(logits, SamplingMetadata.from_requests(mixed))
+    assert out2.failed_rows == (2, 3, 4, 5)
+    assert out2.token_ids[0] == 4 and out2.token_ids[6] == out.token_ids[6]
+
+
 def test_bitmask_allows_only_its_tokens_for_greedy_and_drawn_rows():
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(2))
     allowed = [{3, 40}, {31, 32, 33}, set()]
