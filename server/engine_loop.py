@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from loraplex.server.api import ChatMessages, WorkerRequest
-from loraplex.server.engine.engine import Engine
+from loraplex.server.engine.engine import STALLED_WAIT_SECONDS, Engine
 from loraplex.server.engine.request import Request, RequestOutput
 from loraplex.server.engine.stats import EngineStats
 
@@ -115,6 +115,8 @@ class EngineLoop:
             outputs = self.engine.step()
             if outputs:
                 self._post(self._dispatch, outputs)
+            elif not self.engine.last_step_ran:  # everything waits: no spinning (engine.py)
+                self._wake.wait(STALLED_WAIT_SECONDS)
             self._refresh_stats()
 
     def _post(self, fn: Callable[..., None], *args: object) -> None:

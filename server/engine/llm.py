@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from loraplex.server.config import EngineConfig, SchedulerConfig
-from loraplex.server.engine.engine import Engine
+from loraplex.server.engine.engine import STALLED_WAIT_SECONDS, Engine
 from loraplex.server.engine.request import SamplingParams, TokenLogprob
 from loraplex.server.params import ChatMessages
 
@@ -66,7 +67,10 @@ class LLM:
                 results[rid, req.index] = Completion(rid, list(req.prompt_token_ids))
                 order.append((rid, req))
         while self.engine.has_unfinished():
-            for out in self.engine.step():
+            outputs = self.engine.step()
+            if not outputs and not self.engine.last_step_ran:
+                time.sleep(STALLED_WAIT_SECONDS)  # everything waits on other threads
+            for out in outputs:
                 done = results.get((out.request_id, out.index))
                 if done is None:
                     continue
