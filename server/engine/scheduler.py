@@ -168,7 +168,10 @@ class Scheduler(StepUpdater):
         rows' own predicted time when that is larger (None: no target)."""
         if self._target is None or self._cost is None:
             return None
-        floor = self._cost(decode_shape.shape())
+        decodes = decode_shape.shape()
+        if decodes.num_decode_tokens == 0:  # no decode rows, no floor: the prediction of an
+            return self._target  # empty step is the fastest one measured, not a budget
+        floor = self._cost(decodes)
         return max(self._target, self.config.decode_floor_ratio * floor)
 
     def _fit(self, shape: StepShapeBuilder, req: Request, n: int, prefilled: bool,

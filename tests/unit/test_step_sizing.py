@@ -211,6 +211,27 @@ def test_with_ratio_1_only_one_minimum_chunk_goes_when_the_decodes_fill_the_targ
     assert all(driver.first_token.get(f"p{i}") is not None for i in range(3))
 
 
+def test_with_no_decode_rows_the_floor_is_not_the_empty_steps_prediction():
+    # StepCostModel.predict never answers below the fastest step it measured, so the
+    # prediction of an empty step (the decode rows of an idle server) is that step's time,
+    # and any chunk whose fit lies below it is also predicted at it. Taken as the decode
+    # floor (ratio 1), that made whole prompts fit any target (tests/e2e/test_step_sizing.py
+    # saw 20- and 27-token chunks under a 1 us target); with no decode rows there is no floor.
+    fastest = 0.01
+    raw = linear_cost(c0=0.0, prefill=1e-4)
+
+    def cost(s: StepShape) -> float:
+        return max(raw(s), fastest)
+
+    cfg = SchedulerConfig(page_size=4, target_itl_ms=0.001, min_prefill_chunk=4,
+                          decode_floor_ratio=1.0)
+    driver = Driver(Scheduler(cfg, Pager(100), cost=cost))
+    driver.run({0: [make_request("p", 31, 5)]})
+    prefill = [shape.num_prefill_tokens for _, _, shape, _ in driver.steps
+               if shape.num_prefill_tokens]
+    assert prefill == [4] * 7 + [3]
+
+
 @pytest.mark.parametrize("ratio", [1.0, 2.0])
 @pytest.mark.parametrize("decode_cost", [1.0, 5e-4])
 def test_every_request_reaches_its_first_token_within_the_bound(decode_cost, ratio):
