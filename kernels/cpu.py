@@ -32,8 +32,8 @@ def paged_attention(q: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetad
                     page_size: int, num_kv_heads: int, scale: float) -> torch.Tensor:
     """``reference.paged_attention`` (same semantics, arguments and result): decodes in one
     native call (``cpu_native.decode``) or, without it, batched in groups through torch ops;
-    prefill chunks in one native call (``cpu_native.prefill``) or one sequence at a time
-    through SDPA."""
+    prefill chunks in one native call (``cpu_native.prefill``; in bf16 only sequences of up
+    to ``_BF16_NATIVE_PREFILL_KEYS`` keys) or one sequence at a time through SDPA."""
     pool = kv_view(kv_pool, page_size, num_kv_heads)
     out = torch.empty_like(q)
     starts = list(itertools.accumulate(meta.q_lens, initial=0))
@@ -42,14 +42,23 @@ def paged_attention(q: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetad
                                              page_size, num_kv_heads, scale):
         _decode(q, pool, meta, decode_rows, starts, out, scale)
     prefill_rows = [s for s, n in enumerate(meta.q_lens) if n > 1]
-    if not prefill_rows or cpu_native.prefill(q, kv_pool, meta, prefill_rows, starts, out,
-                                              page_size, num_kv_heads, scale):
-        return out
+    native_rows = prefill_rows if q.dtype != torch.bfloat16 else [
+        s for s in prefill_rows if meta.seq_lens_host[s] <= _BF16_NATIVE_PREFILL_KEYS]
+    if native_rows and cpu_native.prefill(q, kv_pool, meta, native_rows, starts, out,
+                                          page_size, num_kv_heads, scale):
+        done = set(native_rows)
+        prefill_rows = [s for s in prefill_rows if s not in done]
     for s in prefill_rows:
         rows = slice(starts[s], starts[s] + meta.q_lens[s])
         out[rows] = _prefill_one(q[rows], pool, meta.page_table[s], meta.seq_lens_host[s],
                                  scale)
     return out
+
+
+# In bf16 the native prefill kernel (float32 tiles) is faster than SDPA up to about this many
+# keys a sequence; past it SDPA's bf16 kernel is (one thread, SmolLM2's heads: native 1.2x at
+# 64-128 keys, 0.69x at 192, 0.47x at 1024; benchmarks/decode_attention_bench.py --prefill).
+_BF16_NATIVE_PREFILL_KEYS = 128
 
 
 def _gather_kv(pool: torch.Tensor, pages: torch.Tensor, length: int

@@ -16,7 +16,7 @@ import torch
 from loraplex.kernels import cpu, cpu_native, native, reference
 from loraplex.kernels.layout import kv_page_elems
 from loraplex.kernels.metadata import AttentionMetadata
-from tests.kernels.test_cpu import paged_step
+from tests.kernels.test_cpu import ATTENTION_TOLERANCE, paged_step
 from tests.kernels.test_native_attention import TOLERANCE
 
 
@@ -63,7 +63,7 @@ CASES = [  # (group, head_dim, page_size)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES, ids=[f"g{g}-d{d}-p{p}" for g, d, p in CASES])
 def test_matches_reference(case: tuple[int, int, int], dtype: torch.dtype, decodes: bool,
-                           threads: int, no_torch_prefill) -> None:
+                           threads: int) -> None:
     _native_or_skip()
     group, head_dim, page_size = case
     seed = 100 + CASES.index(case) * 4 + 2 * (dtype == torch.bfloat16) + decodes
@@ -71,19 +71,54 @@ def test_matches_reference(case: tuple[int, int, int], dtype: torch.dtype, decod
     q, pool, meta, num_kv_heads = _step(rng, gen, dtype, group=group, head_dim=head_dim,
                                         page_size=page_size, decodes=decodes)
     scale = head_dim ** -0.5
+    rows = [s for s, n in enumerate(meta.q_lens) if n > 1]
+    starts = meta.query_start.tolist()
+    out = torch.full_like(q, 7.0)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    try:
-        out = cpu.paged_attention(q, pool, meta, page_size, num_kv_heads, scale)
+    try:  # the kernel itself, on every prefill sequence (the engine's routing: below)
+        assert cpu_native.prefill(q, pool, meta, rows, starts, out, page_size, num_kv_heads,
+                                  scale)
+        again = torch.full_like(q, 7.0)  # the next layer reuses the cached per-step arrays
+        assert cpu_native.prefill(q, pool, meta, rows, starts, again, page_size, num_kv_heads,
+                                  scale)
     finally:
         torch.set_num_threads(before)
     expected = reference.paged_attention(q.float(), pool.float(), meta, page_size,
                                          num_kv_heads, scale)
-    assert out.dtype == dtype and out.isfinite().all()
+    prefill = [t for s in rows for t in range(starts[s], starts[s + 1])]
+    others = [t for t in range(q.shape[0]) if t not in set(prefill)]
+    assert out.dtype == dtype and out[prefill].isfinite().all()
     rtol, atol, _ = TOLERANCE[dtype]
+    torch.testing.assert_close(out[prefill].float(), expected[prefill], rtol=rtol, atol=atol)
+    assert torch.equal(again, out)
+    assert (out[others] == 7.0).all()  # decode rows are not the kernel's to write
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_engine_routes_long_bf16_sequences_to_sdpa(dtype: torch.dtype, monkeypatch) -> None:
+    # float32: every prefill sequence native; bf16: those of up to _BF16_NATIVE_PREFILL_KEYS
+    # keys native, longer ones through SDPA (faster there in bf16), the same values either way
+    _native_or_skip()
+    limit = cpu._BF16_NATIVE_PREFILL_KEYS
+    rng, gen = random.Random(9), torch.Generator().manual_seed(9)
+    q, pool, meta = paged_step(rng, gen, dtype, [20, 9, 40, 1], [20, limit, limit + 60, 30],
+                               16, 2, 2, 64, 2)
+    torch_rows: list[int] = []
+    native_rows: list[int] = []
+    torch_prefill, native_prefill = cpu._prefill_one, cpu_native.prefill
+    monkeypatch.setattr(cpu, "_prefill_one", lambda q_, pool_, pages, seq_len, scale: (
+        torch_rows.append(seq_len) or torch_prefill(q_, pool_, pages, seq_len, scale)))
+    monkeypatch.setattr(cpu_native, "prefill", lambda *a: (
+        native_rows.extend(a[3]) or native_prefill(*a)))
+    out = cpu.paged_attention(q, pool, meta, 16, 2, 0.125)
+    expected = reference.paged_attention(q.float(), pool.float(), meta, 16, 2, 0.125)
+    if dtype == torch.float32:
+        assert native_rows == [0, 1, 2] and torch_rows == []
+    else:
+        assert native_rows == [0, 1] and torch_rows == [limit + 60]
+    rtol, atol, _ = ATTENTION_TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), expected, rtol=rtol, atol=atol)
-    # the next layer of the step reuses the cached per-step arrays: the same result
-    assert torch.equal(cpu.paged_attention(q, pool, meta, page_size, num_kv_heads, scale), out)
 
 
 def test_reads_no_stale_slot_and_only_its_rows(no_torch_prefill) -> None:
