@@ -195,25 +195,24 @@ SPECIALISE(task_f32_d128, 0, 128)
 SPECIALISE(task_bf16_d64, 1, 64)
 SPECIALISE(task_bf16_d128, 1, 128)
 
-/* Any other multiple of 16 up to 256: D a run-time value, the tiles' arrays at their largest. */
-static void task_f32_any(const Call *c, int64_t task, float *buf) {
-    switch (c->D) {
-#define CASE(DIM) case DIM: task_body(c, task, buf, 0, DIM); break;
-        CASE(16) CASE(32) CASE(48) CASE(80) CASE(96) CASE(112) CASE(144) CASE(160) CASE(176)
-        CASE(192) CASE(208) CASE(224) CASE(240) CASE(256)
-#undef CASE
-        default: break;
+/* Any other multiple of 16 up to 256: one specialisation per size too (a tile row keeps its
+ * D / 16 vectors in registers), picked at run time. */
+#define CASE(BF16, DIM)                                                                    \
+    case DIM:                                                                              \
+        task_body(c, task, buf, BF16, DIM);                                                \
+        break;
+#define SPECIALISE_ANY(NAME, BF16)                                                         \
+    static void NAME(const Call *c, int64_t task, float *buf) {                            \
+        switch (c->D) {                                                                    \
+            CASE(BF16, 16) CASE(BF16, 32) CASE(BF16, 48) CASE(BF16, 80) CASE(BF16, 96)     \
+            CASE(BF16, 112) CASE(BF16, 144) CASE(BF16, 160) CASE(BF16, 176) CASE(BF16, 192) \
+            CASE(BF16, 208) CASE(BF16, 224) CASE(BF16, 240) CASE(BF16, 256)                 \
+            default: break;                                                                \
+        }                                                                                  \
     }
-}
-static void task_bf16_any(const Call *c, int64_t task, float *buf) {
-    switch (c->D) {
-#define CASE(DIM) case DIM: task_body(c, task, buf, 1, DIM); break;
-        CASE(16) CASE(32) CASE(48) CASE(80) CASE(96) CASE(112) CASE(144) CASE(160) CASE(176)
-        CASE(192) CASE(208) CASE(224) CASE(240) CASE(256)
+SPECIALISE_ANY(task_f32_any, 0)
+SPECIALISE_ANY(task_bf16_any, 1)
 #undef CASE
-        default: break;
-    }
-}
 
 /* dtype: 0 float32, 1 bfloat16. Returns 0 on success, 1 if a buffer could not be allocated
  * (some rows then unwritten: the caller runs its torch path), 2 for a bad argument (an unknown

@@ -45,8 +45,8 @@ def _step(rng: random.Random, gen: torch.Generator, dtype: torch.dtype, *, group
     return q, pool, meta, num_kv_heads
 
 
-def _native_or_skip() -> None:
-    if native.library("decode_attention") is None:
+def _native_or_skip(kernel: str = "decode_attention") -> None:
+    if native.library(kernel) is None:
         pytest.skip("native kernels unavailable (no C compiler or LORAPLEX_NATIVE_KERNELS=0)")
 
 

@@ -18,11 +18,11 @@ from loraplex.kernels.layout import kv_page_elems
 from loraplex.kernels.metadata import AttentionMetadata
 from tests.kernels.test_cpu import ATTENTION_TOLERANCE, paged_step
 from tests.kernels.test_native_attention import TOLERANCE
+from tests.kernels.test_native_attention import _native_or_skip as _skip_unless
 
 
 def _native_or_skip() -> None:
-    if native.library("prefill_attention") is None:
-        pytest.skip("native kernels unavailable (no C compiler or LORAPLEX_NATIVE_KERNELS=0)")
+    _skip_unless("prefill_attention")
 
 
 @pytest.fixture()
