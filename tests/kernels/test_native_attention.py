@@ -134,7 +134,9 @@ def test_disabled_takes_the_torch_path_with_the_same_result(monkeypatch) -> None
     monkeypatch.setattr(cpu, "_decode", lambda *a, **kw: ran.append(1) or torch_decode(*a, **kw))
     meta = dataclasses.replace(meta, derived={})  # a fresh step: nothing cached
     torch_out = cpu.paged_attention(q, pool, meta, 16, num_kv_heads, 0.125)
+    # both attention kernels off (the step has decode and prefill rows): the torch paths
     assert ran and native.library("decode_attention") is None
+    assert native.library("prefill_attention") is None
     assert not cpu_native.decode(q, pool, meta, [0], [0, 1], torch.empty_like(q), 16,
                                  num_kv_heads, 0.125)
     rtol, atol, _ = TOLERANCE[torch.float32]

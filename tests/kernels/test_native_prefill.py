@@ -3,7 +3,8 @@
 a cached context, query counts across the kernel's 64-query blocks and its 4-row tiles, GQA,
 head sizes on the fast paths (64, 128) and the generic one (80, 16), two page sizes, stale NaN
 and inf in every slot no sequence owns, decode rows in the same step, one and two threads; and
-where it does not apply (the torch path runs, with the same values)."""
+where it does not apply (the torch path runs, with the same values; with native kernels off:
+test_native_attention.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import random
 import pytest
 import torch
 
-from loraplex.kernels import cpu, cpu_native, native, reference
+from loraplex.kernels import cpu, cpu_native, reference
 from loraplex.kernels.layout import kv_page_elems
 from loraplex.kernels.metadata import AttentionMetadata
 from tests.kernels.test_cpu import ATTENTION_TOLERANCE, paged_step
@@ -172,20 +173,6 @@ def test_other_head_sizes_take_the_torch_path(head_dim: int, monkeypatch) -> Non
     expected = reference.paged_attention(q, pool, meta, 16, 2, head_dim ** -0.5)
     assert ran == [1]
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-
-
-def test_disabled_takes_the_torch_path_with_the_same_result(monkeypatch) -> None:
-    _native_or_skip()
-    rng, gen = random.Random(5), torch.Generator().manual_seed(5)
-    q, pool, meta, num_kv_heads = _step(rng, gen, torch.float32, group=3, head_dim=64,
-                                        page_size=16, decodes=True)
-    native_out = cpu.paged_attention(q, pool, meta, 16, num_kv_heads, 0.125)
-    monkeypatch.setenv("LORAPLEX_NATIVE_KERNELS", "0")
-    monkeypatch.setattr(native, "_loaded", {})  # a fresh process's loader
-    torch_out = cpu.paged_attention(q, pool, dataclasses.replace(meta, derived={}), 16,
-                                    num_kv_heads, 0.125)
-    assert native.library("prefill_attention") is None
-    torch.testing.assert_close(torch_out, native_out, rtol=1e-5, atol=1e-5)
 
 
 def test_a_query_count_over_its_length_is_a_clear_error() -> None:
