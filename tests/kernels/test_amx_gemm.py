@@ -1,0 +1,218 @@
+"""The AMX float32 GEMM (``kernels/csrc/gemm_amx.c`` through ``kernels/cpu_gemm``) against a
+float64 reference: every row, column and depth tail of its 32 x 32 tiles, depths over its
+2048-deep chunks, the few-row FMA path and its edge, bias, strided rows, one and two
+threads, non-finite inputs; its error stays within float32's forward-error bound and beside
+torch's own float32 GEMM. And the model: fp32 weights are rearranged and their dense copies
+dropped, every projection runs on it whatever the rows, ``LORAPLEX_AMX_GEMM=0`` turns it off,
+and the engine's tokens are the same with it on and off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loraplex.kernels import cpu_gemm, native
+from loraplex.server.engine.models import llama
+
+pytestmark = pytest.mark.skipif(not cpu_gemm.enabled(),
+                                reason="needs a CPU with AMX (and the native library)")
+
+U = 2.0 ** -24  # float32's unit roundoff
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+           threads: int = 1) -> torch.Tensor:
+    packed = cpu_gemm.pack(w)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = cpu_gemm.linear(x, packed, bias)
+        mkl = F.linear(x, w, bias)
+    finally:
+        torch.set_num_threads(previous)
+    x64, w64 = x.double(), w.double()
+    ref = x64 @ w64.t() + (bias.double() if bias is not None else 0)
+    assert y.shape == ref.shape and y.dtype == torch.float32 and y.is_contiguous()
+    # forward-error bound of a float32 dot product of depth k (the split adds at most a few u
+    # per product), element by element
+    k = x.shape[1]
+    bound = (k + 8) * U * (x64.abs() @ w64.abs().t() + (
+        bias.double().abs() if bias is not None else 0)) + 1e-30
+    err = (y.double() - ref).abs()
+    assert bool((err <= bound).all()), float((err / bound).max())
+    # and in practice as close as torch's own float32 GEMM
+    scale = float(ref.abs().max()) or 1.0
+    assert float(err.max()) <= 4 * float((mkl.double() - ref).abs().max()) + 4 * U * scale
+    return y
+
+
+SHAPES = [  # (rows, depth, columns): tails of every tile dimension, chunked depths; under 12
+    # rows the FMA path in groups of 6 (1, 2, 6, 7, 11), from 12 the tiles
+    (1, 1, 1), (1, 64, 48), (2, 576, 960), (6, 100, 70), (7, 33, 130), (11, 300, 64),
+    (12, 2049, 33), (13, 1536, 64), (15, 31, 17), (16, 32, 32), (17, 33, 33), (31, 16, 96),
+    (32, 576, 960), (33, 100, 70), (64, 1, 130), (100, 576, 576), (257, 96, 64),
+    (40, 1100, 50), (70, 2049, 33), (300, 1536, 96), (64, 4200, 40),
+]
+
+
+@pytest.mark.parametrize("rows,depth,cols", SHAPES)
+def test_matches_float64_within_float32_error(rows, depth, cols):
+    gen = torch.Generator().manual_seed(rows * 7 + depth * 3 + cols)
+    x = torch.randn(rows, depth, generator=gen)
+    w = torch.randn(cols, depth, generator=gen) * 0.05
+    _check(x, w)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bias_strided_rows_and_threads(threads):
+    gen = torch.Generator().manual_seed(threads)
+    wide = torch.randn(150, 700, generator=gen)
+    x = wide[:, 3:603]  # row stride 700
+    w_wide = torch.randn(200, 640, generator=gen)
+    w = w_wide[:, :600]  # a strided weight packs too
+    bias = torch.randn(200, generator=gen)
+    y = _check(x, w, bias, threads)
+    # each output tile is one thread's whole sum, in the same order whatever the thread count
+    assert torch.equal(y, _check(x, w, bias, threads=1))
+
+
+def test_values_far_from_one_keep_their_relative_accuracy():
+    gen = torch.Generator().manual_seed(3)
+    for scale in (1e-20, 1e-3, 1e3, 1e15):
+        x = torch.randn(40, 96, generator=gen) * scale
+        w = torch.randn(64, 96, generator=gen)
+        _check(x, w)
+
+
+@pytest.mark.parametrize("rows", [13, 40])  # a padded tile and full ones
+def test_non_finite_inputs_stay_in_their_rows(rows):
+    # a NaN or inf input row gives non-finite outputs in that row only (on the tile path inf
+    # comes out as NaN: the split's remainder inf - inf), other rows exact as ever; on the FMA
+    # path, inf stays inf
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(rows, 64, generator=gen)
+    w = torch.randn(48, 64, generator=gen)
+    x[3, 5] = float("nan")
+    x[7, 0] = float("inf")
+    y = cpu_gemm.linear(x, cpu_gemm.pack(w))
+    bad = {3, 7}
+    for r in range(rows):
+        finite = bool(torch.isfinite(y[r]).all())
+        assert finite == (r not in bad), r
+    good = [r for r in range(rows) if r not in bad]
+    torch.testing.assert_close(y[good], F.linear(x[good], w), rtol=1e-5, atol=1e-5)
+
+
+def test_non_finite_inputs_on_the_few_row_path():
+    # under 12 rows plain FMAs: NaN and inf propagate as a float32 GEMM's do, in their rows
+    # only (9 rows: two groups)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 64, generator=gen)
+    w = torch.rand(48, 64, generator=gen) + 0.1  # positive: inf x w stays +inf
+    x[1, 5] = float("nan")
+    x[7, 0] = float("inf")
+    y = cpu_gemm.linear(x, cpu_gemm.pack(w))
+    assert bool(torch.isnan(y[1]).all()) and bool(torch.isposinf(y[7]).all())
+    good = [0, 2, 3, 4, 5, 6, 8]
+    torch.testing.assert_close(y[good], F.linear(x[good], w), rtol=1e-5, atol=1e-5)
+
+
+def test_zero_rows_and_refusals():
+    w = torch.randn(32, 64)
+    packed = cpu_gemm.pack(w)
+    assert cpu_gemm.linear(torch.empty(0, 64), packed).shape == (0, 32)
+    assert packed.nbytes == 32 * 64 * 4  # float32, rearranged
+    with pytest.raises(ValueError, match="float32"):
+        cpu_gemm.pack(w.bfloat16())
+    with pytest.raises(ValueError, match="float32"):
+        cpu_gemm.pack(torch.randn(64))
+    with pytest.raises(ValueError, match="unit column"):
+        cpu_gemm.pack(w.t())
+    with pytest.raises(ValueError, match=r"\[T, 64\]"):
+        cpu_gemm.linear(torch.randn(4, 63), packed)
+    with pytest.raises(ValueError, match=r"\[T, 64\]"):
+        cpu_gemm.linear(torch.randn(4, 64).double(), packed)
+    with pytest.raises(ValueError, match="bias"):
+        cpu_gemm.linear(torch.randn(4, 64), packed, torch.randn(31))
+
+
+def test_model_runs_every_projection_on_it_and_the_switch_turns_it_off(tmp_path, monkeypatch):
+    from loraplex.server.engine.models.config import ModelConfig
+    from loraplex.server.engine.models.loader import load_tensors, load_weights
+    from tests.helpers import make_model
+
+    path = make_model(tmp_path / "m", "llama", seed=3)
+    config = ModelConfig.from_pretrained(path)
+    cpu = torch.device("cpu")
+    model = load_weights(path, config, torch.float32, cpu)
+    assert model.tiles is not None and len(model.tiles) == len(model.layers)
+    assert model.lm_head_tiles is not None
+    # the dense copies are dropped: only their shapes are left
+    assert all(t.is_meta for w in model.layers for t in (w.qkv, w.o, w.gate_up, w.down))
+    _, dense_layers, _, _ = load_tensors(path, config, torch.float32, cpu)
+    calls: list[int] = []
+    original = cpu_gemm.linear
+    monkeypatch.setattr(cpu_gemm, "linear",
+                        lambda x, w, b=None: (calls.append(x.shape[0]), original(x, w, b))[1])
+    w, dense = model.layers[0], dense_layers[0]
+    for rows in (1, 5, 6, 7, 11, 12, 16, 40):  # the few-row FMA path (< 12), the tile path
+        x = torch.randn(rows, dense.qkv.shape[1])
+        got = llama.linear(x, w.qkv, w.qkv_bias, model.tiles[0].qkv)
+        torch.testing.assert_close(got, F.linear(x, dense.qkv, dense.qkv_bias), rtol=1e-5,
+                                   atol=1e-5)
+        x = torch.randn(rows, dense.down.shape[1])
+        got = llama.linear(x, w.down, w.down_bias, model.tiles[0].down)
+        torch.testing.assert_close(got, F.linear(x, dense.down), rtol=1e-5, atol=1e-5)
+    assert calls == [r for r in (1, 5, 6, 7, 11, 12, 16, 40) for _ in range(2)]
+    bf16 = load_weights(path, config, torch.bfloat16, cpu)
+    assert bf16.tiles is None and bf16.lm_head_tiles is None
+    monkeypatch.setenv("LORAPLEX_AMX_GEMM", "0")
+    assert not cpu_gemm.enabled()
+    off = load_weights(path, config, torch.float32, cpu)
+    assert off.tiles is None and off.lm_head_tiles is None
+
+
+def test_native_kernels_off_turns_it_off(monkeypatch):
+    monkeypatch.setenv("LORAPLEX_NATIVE_KERNELS", "0")
+    monkeypatch.setattr(native, "_loaded", {})
+    assert not cpu_gemm.enabled()
+
+
+def test_engine_tokens_equal_with_the_tile_gemm_on_and_off(tmp_path, monkeypatch):
+    # prefill chunks (the tile path) and decodes of six requests (the FMA path), on a model
+    # whose widths are not multiples of the tiles': same greedy tokens, logprobs within
+    # float32 noise
+    from loraplex.server.config import EngineConfig, SchedulerConfig
+    from loraplex.server.engine.engine import Engine
+    from loraplex.server.engine.request import SamplingParams
+    from tests.helpers import make_model, random_prompts
+
+    model = make_model(tmp_path / "m", "llama", seed=11)
+    prompts = random_prompts(6, seed=4, low=20, high=60)
+
+    def generate():
+        engine = Engine(EngineConfig(model=str(model), num_pages=128,
+                                     scheduler=SchedulerConfig(page_size=4)))
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, SamplingParams(max_tokens=8, ignore_eos=True,
+                                                          logprobs=1))
+        tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+        logprobs: dict[str, list[float]] = {f"r{i}": [] for i in range(len(prompts))}
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+                logprobs[out.request_id] += [lp.logprob for lp in out.logprobs]
+        return engine, tokens, logprobs
+
+    engine, on_tokens, on_lp = generate()
+    assert engine.runner.model.tiles is not None
+    monkeypatch.setenv("LORAPLEX_AMX_GEMM", "0")
+    engine, off_tokens, off_lp = generate()
+    assert engine.runner.model.tiles is None
+    assert on_tokens == off_tokens
+    assert all(len(v) == 8 for v in on_tokens.values())
+    for r in on_lp:
+        assert len(on_lp[r]) == 8
+        torch.testing.assert_close(torch.tensor(on_lp[r]), torch.tensor(off_lp[r]),
+                                   rtol=0, atol=1e-4)
