@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from loraplex.kernels import cpu_gemm
 from loraplex.loadtest.baseline import BaselineRequest
 from loraplex.loadtest.records import git_commit, provenance  # noqa: F401 (git_commit: for the scripts)
 from loraplex.server.engine.engine import Engine
@@ -176,7 +177,8 @@ def copy_bandwidth(num_bytes: int = 1 << 29, repeats: int = 5) -> float:
 def gemm_throughput(dtype: torch.dtype, m: int = 1024, k: int = 1024, n: int = 5632,
                     repeats: int = 5) -> dict[str, float]:
     """FLOP/s of ``[m, k] @ [n, k]^T`` in ``dtype`` (the shape of a fused gate/up projection),
-    through ``F.linear`` and, where it runs, oneDNN on a prepacked weight (loraplex's CPU path);
+    through ``F.linear`` and, where they run, oneDNN on a prepacked weight and, in float32, the
+    AMX tile GEMM (loraplex's CPU paths);
     ``best`` is the machine's figure for the roofline."""
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(m, k, generator=gen).to(dtype)
@@ -188,6 +190,9 @@ def gemm_throughput(dtype: torch.dtype, m: int = 1024, k: int = 1024, n: int = 5
         if onednn_linear_supported(dtype, torch.device("cpu")):
             packed = pack_linear(w)
             out["onednn_packed"] = flops / _best_time(lambda: linear(a, packed), repeats)
+        if dtype == torch.float32 and cpu_gemm.enabled():  # the engine's float32 path on AMX
+            tiles = cpu_gemm.pack(w)
+            out["amx_tiles"] = flops / _best_time(lambda: cpu_gemm.linear(a, tiles), repeats)
     out["best"] = max(out.values())
     return out
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from loraplex.kernels import cpu_elementwise
+from loraplex.kernels import cpu_elementwise, cpu_gemm
 from loraplex.kernels.metadata import AttentionMetadata
 from loraplex.server.engine.models.config import ModelConfig
 from loraplex.server.engine.models.rope import RotaryEmbedding
@@ -92,9 +92,22 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight^T + bias`` for a dense or a ``pack_linear`` weight."""
+class LayerTiles(NamedTuple):
+    """A layer's four projections in the AMX tile GEMM's split form (``kernels/cpu_gemm``)."""
+
+    qkv: cpu_gemm.PackedWeight
+    o: cpu_gemm.PackedWeight
+    gate_up: cpu_gemm.PackedWeight
+    down: cpu_gemm.PackedWeight
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           tiles: cpu_gemm.PackedWeight | None = None) -> torch.Tensor:
+    """``x @ weight^T + bias`` for a dense or a ``pack_linear`` weight, or, given ``tiles``
+    (the same weight in ``cpu_gemm.pack``'s form; ``weight`` is then only its shape), on the
+    AMX GEMM."""
+    if tiles is not None:
+        return cpu_gemm.linear(x if x.stride(-1) == 1 else x.contiguous(), tiles, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -141,7 +154,22 @@ class LlamaModel:
         self.rope = RotaryEmbedding(config, self.dtype, self.device)
         self.scale = config.head_dim ** -0.5
         self.act = ACTIVATIONS[config.hidden_act]
-        if onednn_linear_supported(self.dtype, self.device):
+        # float32 on an AMX CPU: every projection on the AMX GEMM (kernels/cpu_gemm), its
+        # weights rearranged once and the dense copies dropped (kept as "meta" tensors: their
+        # shapes, no memory); a tied lm_head stays the embedding
+        self.tiles: list[LayerTiles] | None = None
+        self.lm_head_tiles: cpu_gemm.PackedWeight | None = None
+        if self.dtype == torch.float32 and self.device.type == "cpu" and cpu_gemm.enabled():
+            self.tiles = []
+            for w in layers:
+                self.tiles.append(LayerTiles(cpu_gemm.pack(w.qkv), cpu_gemm.pack(w.o),
+                                             cpu_gemm.pack(w.gate_up), cpu_gemm.pack(w.down)))
+                w.qkv, w.o = w.qkv.to("meta"), w.o.to("meta")
+                w.gate_up, w.down = w.gate_up.to("meta"), w.down.to("meta")
+            self.lm_head_tiles = cpu_gemm.pack(lm_head)
+            if lm_head is not embed:
+                self.lm_head = lm_head.to("meta")
+        elif onednn_linear_supported(self.dtype, self.device):
             # Packed in place, so the dense copies are freed (a tied lm_head gets its own).
             for w in layers:
                 w.qkv, w.o = pack_linear(w.qkv), pack_linear(w.o)
@@ -159,8 +187,10 @@ class LlamaModel:
         # The residual stream: each norm runs fused with the residual add before it, so
         # `x` (the next block's input) is always rms_norm of the updated `hidden`.
         x = rms_norm(hidden, layers[0].input_norm, eps) if layers else hidden
+        no_tiles = (None, None, None, None)
         for i, w in enumerate(layers):
-            qkv = linear(x, w.qkv, w.qkv_bias)  # [T, q_size + 2 * kv_size]
+            t_qkv, t_o, t_gate_up, t_down = self.tiles[i] if self.tiles else no_tiles
+            qkv = linear(x, w.qkv, w.qkv_bias, t_qkv)  # [T, q_size + 2 * kv_size]
             if ctx.lora is not None:
                 ctx.lora(i, "qkv", x, qkv)
             q, k = self.rope.apply_qk(qkv, cos, sin, cfg.num_heads, cfg.num_kv_heads,
@@ -171,17 +201,17 @@ class LlamaModel:
             ctx.write_kv(pool, k, v, ctx.attn.slot_mapping, ctx.page_size)
             attn = ctx.attention(q, pool, ctx.attn, ctx.page_size, cfg.num_kv_heads, self.scale)
             attn = attn.reshape(num_tokens, cfg.q_size)
-            o = linear(attn, w.o, w.o_bias)
+            o = linear(attn, w.o, w.o_bias, t_o)
             if ctx.lora is not None:
                 ctx.lora(i, "o", attn, o)
             if ctx.all_reduce is not None:
                 ctx.all_reduce(o)  # the sum over ranks comes before the residual add
             x = add_rms_norm(hidden, o, w.post_norm, eps)  # hidden is this forward's own
-            gate_up = linear(x, w.gate_up, w.gate_up_bias)  # [T, 2 * intermediate]
+            gate_up = linear(x, w.gate_up, w.gate_up_bias, t_gate_up)  # [T, 2 * intermediate]
             if ctx.lora is not None:
                 ctx.lora(i, "gate_up", x, gate_up)
             act = self._act_and_mul(gate_up)  # [T, intermediate]
-            down = linear(act, w.down, w.down_bias)
+            down = linear(act, w.down, w.down_bias, t_down)
             if ctx.lora is not None:
                 ctx.lora(i, "down", act, down)
             if ctx.all_reduce is not None:
@@ -204,7 +234,7 @@ class LlamaModel:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> float32 logits ``[N, vocab]`` (final norm included)."""
         h = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
-        return linear(h, self.lm_head).float()
+        return linear(h, self.lm_head, tiles=self.lm_head_tiles).float()
 
 
 # Which slice of each fused projection a LoRA target module writes to.
