@@ -1,8 +1,8 @@
 """Float32 GEMMs on AMX tiles (``csrc/gemm_amx.c``), through ctypes.
 
-A float32 ``linear`` computed, from 12 rows up, as six bfloat16 tile products of the
+A float32 ``linear`` computed, from 15 rows up, as six bfloat16 tile products of the
 three-part split of each operand (the C file says why that keeps float32's accuracy), and
-under 12 rows as float32 FMAs on the same packed weights: on a CPU with AMX, faster than
+under 15 rows as float32 FMAs on the same packed weights: on a CPU with AMX, faster than
 oneDNN's prepacked float32 GEMM at every row count measured (1.3-1.5x on 32 decode rows,
 1.2-1.6x on prefill chunks, at SmolLM2's shapes). ``pack(weight)`` rearranges a
 ``[d_out, d_in]`` weight once into the kernel's panel order (still float32: 4 bytes an element,

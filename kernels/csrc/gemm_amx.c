@@ -14,7 +14,7 @@
  * (tests/kernels/test_amx_gemm.py). Six tile products per 32-deep step still beat the 16-lane
  * float32 FMAs: against oneDNN's prepacked float32 GEMM, weights out of cache, at SmolLM2's
  * shapes, 1.3-1.5x on 32 decode rows (the weights streamed at ~8 GB/s with the prefetch below,
- * against oneDNN's ~6) and 1.2-1.6x on prefill chunks (benchmarks/amx_gemm_bench.py). Under 12
+ * against oneDNN's ~6) and 1.2-1.6x on prefill chunks (benchmarks/amx_gemm_bench.py). Under 15
  * rows the tiles would mostly multiply padding: those calls run as float32 FMAs on the same
  * packed weights (small_rows), so one copy of the weights serves every row count.
  *
@@ -180,15 +180,16 @@ static inline void split_block(const float *src, uint16_t *dst) {
 
 /* Fewer than SMALL_ROWS rows: float32 FMAs straight on the packed weights (no split, no
    tiles: a decode step of a few sequences is bound by streaming the weights, and this streams
-   them with the same prefetch as the tile path: 1.1-1.4x oneDNN at one row, equal at four).
+   them with the same prefetch as the tile path: 1.1-1.4x oneDNN at one row, 1.0-1.3x to 14).
    A B-tile row of a half is 16 columns' depth pairs, so one broadcast of x's pair
    (x[2r], x[2r + 1]) against it gives each column's two partial sums side by side; they are
-   added once at the end. The accumulators (4 vectors a row, SMALL_GROUP rows) stay in
-   registers; more rows run in groups, each group streaming the panel again (from L2). From
-   12 rows on, a 32-row tile (mostly padding) costs less than the FMA passes (against oneDNN
-   at 8 rows: FMAs 0.95-1.0x, a tile 0.8-1.1x; at 15: FMAs 0.8-0.9x, a tile 1.0-1.2x). */
-#define SMALL_ROWS 12
+   added once at the end. The accumulators stay in registers: up to SMALL_GROUP rows, whole
+   panels (4 vectors a row); more, half panels (2 a row, up to HALF_GROUP rows), so that every
+   row is in one pass over the weights. From 15 rows on a 32-row tile, half padding, is as
+   fast. */
+#define SMALL_ROWS 15
 #define SMALL_GROUP 6
+#define HALF_GROUP 14
 
 static inline __attribute__((always_inline)) void small_group(
         const float *wp, int64_t kb_count, const float *xp, int64_t kp, const float *bias,
@@ -237,6 +238,48 @@ static inline __attribute__((always_inline)) void small_group(
     }
 }
 
+/* 7-14 rows: whole panels would need more accumulators than there are registers, and two
+   groups would stream the panel twice; half a panel at a time (2 accumulators a row) keeps
+   every row in one pass (1.0-1.3x oneDNN at 7-14 rows, against 0.8-1.0x in two groups). */
+/* one half (16 columns) of a panel for `rows` rows: 2 accumulators a row */
+static inline __attribute__((always_inline)) void small_half(
+        const float *wp, int64_t kb_count, const float *xp, int64_t kp, const float *bias,
+        float *y, int64_t ldy, int64_t c0, int64_t count, const int rows, const int half) {
+    __m512 acc[HALF_GROUP][2];
+    for (int g = 0; g < rows; g++)
+        acc[g][0] = acc[g][1] = _mm512_setzero_ps();
+    for (int64_t kb = 0; kb < kb_count; kb++) {
+        for (int r = 0; r < 16; r++) {
+            const float *s = wp + kb * WBLOCK_ELEMS + half * TILE_ELEMS + r * 32;
+            _mm_prefetch((const char *)(s + PREFETCH_BLOCKS * WBLOCK_ELEMS), _MM_HINT_T0);
+            _mm_prefetch((const char *)(s + PREFETCH_BLOCKS * WBLOCK_ELEMS + 16), _MM_HINT_T0);
+            const __m512 v0 = _mm512_loadu_ps(s), v1 = _mm512_loadu_ps(s + 16);
+            for (int g = 0; g < rows; g++) {
+                double pair;
+                memcpy(&pair, xp + g * kp + kb * 32 + 2 * r, sizeof pair);
+                const __m512 xv = _mm512_castpd_ps(_mm512_set1_pd(pair));
+                acc[g][0] = _mm512_fmadd_ps(v0, xv, acc[g][0]);
+                acc[g][1] = _mm512_fmadd_ps(v1, xv, acc[g][1]);
+            }
+        }
+    }
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4,
+                                          2, 0);
+    const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5,
+                                         3, 1);
+    const __mmask16 mask = count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1);
+    for (int g = 0; g < rows; g++) {
+        __m512 sum = _mm512_add_ps(_mm512_permutex2var_ps(acc[g][0], even, acc[g][1]),
+                                   _mm512_permutex2var_ps(acc[g][0], odd, acc[g][1]));
+        if (bias != NULL)
+            sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask, bias + c0));
+        _mm512_mask_storeu_ps(y + g * ldy + c0, mask, sum);
+    }
+}
+
+#define SMALL_CASE(R) \
+    case R: small_half(wp, kb_count, xg, kp, bias, yg, ldy, c0, count, R, half); break;
+
 static void small_rows(const float *x, int64_t ldx, const float *w, const float *bias,
                        float *y, int64_t ldy, int64_t m, int64_t n, int64_t k, float *xp,
                        int threads) {
@@ -245,21 +288,38 @@ static void small_rows(const float *x, int64_t ldx, const float *w, const float 
         memcpy(xp + r * kp, x + r * ldx, k * sizeof(float));
         memset(xp + r * kp + k, 0, (kp - k) * sizeof(float));
     }
+    if (m > SMALL_GROUP) {
+        const int64_t halves = 2 * panels;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+        for (int64_t hp = 0; hp < halves; hp++) {
+            const int64_t c0 = hp * 16;
+            const int half = (int)(hp % 2);
+            const float *wp = w + (hp / 2) * kb_count * WBLOCK_ELEMS;
+            const float *xg = xp;
+            float *yg = y;
+            if (c0 >= n)
+                continue;
+            const int64_t count = n - c0 < 16 ? n - c0 : 16;
+            switch ((int)m) {
+            SMALL_CASE(7) SMALL_CASE(8) SMALL_CASE(9) SMALL_CASE(10) SMALL_CASE(11)
+            SMALL_CASE(12) SMALL_CASE(13)
+            default: small_half(wp, kb_count, xg, kp, bias, yg, ldy, c0, count, HALF_GROUP,
+                                half); break;
+            }
+        }
+        return;
+    }
 #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
     for (int64_t panel = 0; panel < panels; panel++) {
         const float *wp = w + panel * kb_count * WBLOCK_ELEMS;
         const int64_t n0 = panel * 32, cols = n - n0 < 32 ? n - n0 : 32;
-        for (int64_t g0 = 0; g0 < m; g0 += SMALL_GROUP) {
-            const float *xg = xp + g0 * kp;
-            float *yg = y + g0 * ldy;
-            switch (m - g0 < SMALL_GROUP ? (int)(m - g0) : SMALL_GROUP) {
-            case 1: small_group(wp, kb_count, xg, kp, bias, yg, ldy, n0, cols, 1); break;
-            case 2: small_group(wp, kb_count, xg, kp, bias, yg, ldy, n0, cols, 2); break;
-            case 3: small_group(wp, kb_count, xg, kp, bias, yg, ldy, n0, cols, 3); break;
-            case 4: small_group(wp, kb_count, xg, kp, bias, yg, ldy, n0, cols, 4); break;
-            case 5: small_group(wp, kb_count, xg, kp, bias, yg, ldy, n0, cols, 5); break;
-            default: small_group(wp, kb_count, xg, kp, bias, yg, ldy, n0, cols, 6); break;
-            }
+        switch ((int)m) {
+        case 1: small_group(wp, kb_count, xp, kp, bias, y, ldy, n0, cols, 1); break;
+        case 2: small_group(wp, kb_count, xp, kp, bias, y, ldy, n0, cols, 2); break;
+        case 3: small_group(wp, kb_count, xp, kp, bias, y, ldy, n0, cols, 3); break;
+        case 4: small_group(wp, kb_count, xp, kp, bias, y, ldy, n0, cols, 4); break;
+        case 5: small_group(wp, kb_count, xp, kp, bias, y, ldy, n0, cols, 5); break;
+        default: small_group(wp, kb_count, xp, kp, bias, y, ldy, n0, cols, 6); break;
         }
     }
 }
