@@ -65,7 +65,7 @@ def enabled() -> bool:
 
 
 class PackedWeight:
-    """A ``[d_out, d_in]`` float32 weight in the tile kernel's split, panel-major form."""
+    """A ``[d_out, d_in]`` float32 weight in the tile kernel's panel order (still float32)."""
 
     def __init__(self, data: torch.Tensor, d_out: int, d_in: int, lib: ctypes.CDLL) -> None:
         self.data = data  # float32, loraplex_amx_packed_elems(d_out, d_in) elements
@@ -79,7 +79,8 @@ class PackedWeight:
 
 
 def pack(weight: torch.Tensor) -> PackedWeight:
-    """The split copy of a contiguous CPU float32 ``[d_out, d_in]`` weight.
+    """The kernel's panel-order copy of a CPU float32 ``[d_out, d_in]`` weight (any row
+    stride, unit column stride).
 
     Raises:
         ValueError: the tile GEMM is not ``enabled()`` or the weight is not such a tensor.

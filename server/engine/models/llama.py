@@ -93,7 +93,7 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
 
 
 class LayerTiles(NamedTuple):
-    """A layer's four projections in the AMX tile GEMM's split form (``kernels/cpu_gemm``)."""
+    """A layer's four projections in the AMX GEMM's panel order (``kernels/cpu_gemm.pack``)."""
 
     qkv: cpu_gemm.PackedWeight
     o: cpu_gemm.PackedWeight
