@@ -191,6 +191,22 @@ static inline void split_block(const float *src, uint16_t *dst) {
 #define SMALL_GROUP 6
 #define HALF_GROUP 14
 
+/* 16 columns' pair sums (a: columns 0-7, b: 8-15, each column's two partial sums side by
+   side) -> min(count, 16) finished outputs at dst, + bias */
+static inline void store_pair_sums(__m512 a, __m512 b, const float *bias, float *dst,
+                                   int64_t count) {
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4,
+                                          2, 0);
+    const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5,
+                                         3, 1);
+    const __mmask16 mask = count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1);
+    __m512 sum = _mm512_add_ps(_mm512_permutex2var_ps(a, even, b),
+                               _mm512_permutex2var_ps(a, odd, b));
+    if (bias != NULL)
+        sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask, bias));
+    _mm512_mask_storeu_ps(dst, mask, sum);
+}
+
 static inline __attribute__((always_inline)) void small_group(
         const float *wp, int64_t kb_count, const float *xp, int64_t kp, const float *bias,
         float *y, int64_t ldy, int64_t n0, int64_t cols, const int rows) {
@@ -216,24 +232,12 @@ static inline __attribute__((always_inline)) void small_group(
             }
         }
     }
-    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4,
-                                          2, 0);
-    const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5,
-                                         3, 1);
     for (int g = 0; g < rows; g++) {
-        for (int half = 0; half < 2; half++) {
+        for (int half = 0; half < 2 && half * 16 < cols; half++) {
             const int64_t c0 = half * 16;
-            if (c0 >= cols)
-                break;
-            const int64_t count = cols - c0 < 16 ? cols - c0 : 16;
-            const __mmask16 mask = count == 16 ? (__mmask16)0xffff
-                                               : (__mmask16)((1u << count) - 1);
-            __m512 sum = _mm512_add_ps(
-                _mm512_permutex2var_ps(acc[g][2 * half], even, acc[g][2 * half + 1]),
-                _mm512_permutex2var_ps(acc[g][2 * half], odd, acc[g][2 * half + 1]));
-            if (bias != NULL)
-                sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask, bias + n0 + c0));
-            _mm512_mask_storeu_ps(y + g * ldy + n0 + c0, mask, sum);
+            store_pair_sums(acc[g][2 * half], acc[g][2 * half + 1],
+                            bias != NULL ? bias + n0 + c0 : NULL, y + g * ldy + n0 + c0,
+                            cols - c0);
         }
     }
 }
@@ -263,18 +267,9 @@ static inline __attribute__((always_inline)) void small_half(
             }
         }
     }
-    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4,
-                                          2, 0);
-    const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5,
-                                         3, 1);
-    const __mmask16 mask = count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1);
-    for (int g = 0; g < rows; g++) {
-        __m512 sum = _mm512_add_ps(_mm512_permutex2var_ps(acc[g][0], even, acc[g][1]),
-                                   _mm512_permutex2var_ps(acc[g][0], odd, acc[g][1]));
-        if (bias != NULL)
-            sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(mask, bias + c0));
-        _mm512_mask_storeu_ps(y + g * ldy + c0, mask, sum);
-    }
+    for (int g = 0; g < rows; g++)
+        store_pair_sums(acc[g][0], acc[g][1], bias != NULL ? bias + c0 : NULL, y + g * ldy + c0,
+                        count);
 }
 
 #define SMALL_CASE(R) \
