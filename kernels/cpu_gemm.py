@@ -51,7 +51,7 @@ def _library() -> ctypes.CDLL | None:
 
 def enabled() -> bool:
     """Whether ``pack``/``linear`` run here: library built, AMX usable, not switched off."""
-    if env.get("AMX_GEMM", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not env.amx_gemm():
         return False
     lib = _library()
     if lib is None:

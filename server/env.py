@@ -23,6 +23,13 @@ def native_kernels() -> bool:
         "0", "false", "no", "off")
 
 
+def amx_gemm() -> bool:
+    """``LORAPLEX_AMX_GEMM``: ``0`` keeps float32 projections on oneDNN's GEMM instead of the
+    AMX tile GEMM (``kernels/cpu_gemm``)."""
+    return os.environ.get("LORAPLEX_AMX_GEMM", "1").strip().lower() not in (
+        "0", "false", "no", "off")
+
+
 def get(name: str, default: str | None = None) -> str | None:
     """``LORAPLEX_<NAME>`` or ``default``: the environment half of a CLI flag."""
     return os.environ.get(f"LORAPLEX_{name.upper()}", default)
