@@ -17,7 +17,8 @@ from loraplex.server.settings import from_args
 
 if TYPE_CHECKING:
     from loraplex.server.auth import KeyRing
-    from loraplex.server.config import GatewayConfig, WorkerConfig
+    from loraplex.server.config import EngineConfig, GatewayConfig, WorkerConfig
+    from loraplex.server.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,23 @@ class _Fatal:
     @property
     def exit_code(self) -> int:
         return EXIT_ENGINE_FAILED if self.error is not None else 0
+
+
+async def _build_engine(engine_config: EngineConfig, store: object) -> Engine:
+    """The worker's engine, built so that only its own thread keeps an OpenMP team
+    (``engine/cpu_threads.py``): this loop's thread and its executor's run their torch ops on
+    one thread, and the model loads on every core on a thread that ends with the load."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loraplex.server.engine import cpu_threads
+    from loraplex.server.worker import build_engine
+
+    cpu_threads.confine()
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="loraplex-io",
+                                                 initializer=cpu_threads.confine))
+    return await asyncio.to_thread(cpu_threads.run_on_own_thread,
+                                   lambda: build_engine(engine_config, store))
 
 
 def _store_spec(args: argparse.Namespace) -> str:
@@ -126,7 +144,7 @@ async def serve(args: argparse.Namespace) -> int:
     from loraplex.server.gateway import Gateway, check_exposure
     from loraplex.server.metrics import MetricsServer
     from loraplex.server.quota import open_quota_backend
-    from loraplex.server.worker import WorkerServer, build_engine
+    from loraplex.server.worker import WorkerServer
 
     engine_config = engine_config_from_args(args)
     early = _gateway_config(args, workers=("-",))
@@ -138,7 +156,7 @@ async def serve(args: argparse.Namespace) -> int:
     base = ModelConfig.from_pretrained(resolve_model_path(engine_config.model))
     spec = _store_spec(args)
     store = open_store(spec, base)
-    engine = await asyncio.to_thread(build_engine, engine_config, store)
+    engine = await _build_engine(engine_config, store)
     registry = CollectorRegistry()
     # SERVE_WORKER_EXCLUDES: where the in-process worker listens is serve's choice.
     worker_config = from_args(WorkerConfig, args, host="127.0.0.1", port=0, metrics_port=None,
@@ -254,14 +272,14 @@ async def worker(args: argparse.Namespace) -> int:
     from loraplex.server.config import WorkerConfig
     from loraplex.server.engine.engine import resolve_model_path
     from loraplex.server.engine.models.config import ModelConfig
-    from loraplex.server.worker import WorkerServer, build_engine
+    from loraplex.server.worker import WorkerServer
 
     engine_config = engine_config_from_args(args)
     config = from_args(WorkerConfig, args)
     _check_ports(config)
     base = ModelConfig.from_pretrained(resolve_model_path(engine_config.model))
     store = open_store(_store_spec(args), base)
-    engine = await asyncio.to_thread(build_engine, engine_config, store)
+    engine = await _build_engine(engine_config, store)
     fatal = _Fatal()
     worker = WorkerServer(engine, config, on_fatal=fatal)
     fatal.stop = worker.stop

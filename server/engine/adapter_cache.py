@@ -33,6 +33,7 @@ from loraplex.adapter_store.format import CanonicalAdapter
 from loraplex.adapter_store.store import AdapterSource
 from loraplex.kernels.cpu import GroupBlocks
 from loraplex.kernels.layout import AdapterLayout, adapter_layout
+from loraplex.server.engine import cpu_threads
 from loraplex.server.engine.batch import AdapterLoad
 from loraplex.server.engine.models.config import LORA_MODULES, ModelConfig
 from loraplex.server.engine.pager import PageKind, Pager
@@ -149,7 +150,9 @@ class AdapterManager:
         self._staged: dict[str, HostAdapter] = {}
         # Adapters given pages by acquire() whose weights the runner has not copied in yet.
         self._to_copy: dict[str, HostAdapter] = {}
-        self._pool = ThreadPoolExecutor(num_loader_threads, thread_name_prefix="adapter-load")
+        # confined: a loader's torch ops must not open a second OpenMP team (cpu_threads.py)
+        self._pool = ThreadPoolExecutor(num_loader_threads, thread_name_prefix="adapter-load",
+                                        initializer=cpu_threads.confine)
         self._copy_stream = torch.cuda.Stream(pools.device) if self._pin else None
         self._pending_copies: list[torch.cuda.Event] = []
         self.counters = {"loads": 0, "load_seconds": 0.0, "load_failures": 0, "host_hits": 0,

@@ -20,6 +20,7 @@ import torch
 from loraplex.adapter_store.store import AdapterSource
 from loraplex.kernels.layout import kv_page_elems
 from loraplex.server.config import EngineConfig
+from loraplex.server.engine import cpu_threads
 from loraplex.server.engine.adapter_cache import AdapterManager
 from loraplex.server.engine.batch import Accepted, ScheduledBatch
 from loraplex.server.engine.calibration import calibrate
@@ -68,6 +69,8 @@ class Engine:
                 ``DirectoryAdapterSource``); without one, requests naming an adapter are refused.
         """
         self.config = config
+        # the CPU threads it steps with, on whichever thread steps it (cpu_threads.py)
+        self.num_threads = torch.get_num_threads()
         self.model_path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_pretrained(self.model_path)
         self.dtype = parse_dtype(config.dtype)
@@ -364,6 +367,7 @@ class Engine:
         """
         if self.parallel is not None:
             self.parallel.check()  # RankFailure: this engine cannot go on
+        cpu_threads.use(self.num_threads)
         self._drain_inbox()
         self.outputs.jump_at_start(self.scheduler.waiting)
         start = time.perf_counter()  # a step's time: scheduling to its outputs

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
+from loraplex.server.engine import cpu_threads
 from loraplex.server.engine.grammar_cache import (
     GrammarCache,
     bounded_strings_as_patterns,
@@ -278,7 +279,8 @@ class GrammarService:
         self._compiler_lock = threading.Lock()
         self._inflight: dict[tuple, list[GrammarState]] = {}
         self._inflight_lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="grammar")
+        self._executor = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="grammar",
+                                            initializer=cpu_threads.confine)
         # Read the vocabulary now, in the background: the first constrained request then
         # waits for its grammar only.
         self._executor.submit(self._warm).add_done_callback(_log_unexpected)
