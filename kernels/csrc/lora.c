@@ -13,7 +13,8 @@
  * projections); as torch ops each costs a fixed ~5 us whatever its size, here a few hundred ns.
  *
  * Work is split in two phases, each parallel over OpenMP threads when num_threads > 1:
- * shrinks per (segment, module), then expands per (segment, module, column tile). Segments must
+ * shrinks per (segment, module), then expands per (segment, module, column tile), dealt
+ * round-robin. Segments must
  * not share rows and a table's modules must not share columns (the engine's fused slices):
  * no two work items write the same element of y.
  */
@@ -322,26 +323,34 @@ int64_t loraplex_lora_short(const void *x, int64_t x_stride, void *y, int64_t y_
     const int nt = num_threads > 1 ? (int)num_threads : 1;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
-#pragma omp for schedule(dynamic)
+        /* Items go round-robin, so that each thread knows its next one (t + nt) and
+         * prefetches it: with dynamic scheduling the next item was the other thread's, and
+         * two threads ran a decode step's q/k/v LoRA 1.6x faster than one instead of 2.1x. */
+#pragma omp for schedule(static, 1)
         for (int64_t t = 0; t < num_shrinks; t++) {
             const work_t *w = &work[t];
             const int64_t rows = w->sg->hi - w->sg->lo;
-            if (t + 1 < num_shrinks)  /* the next item's A (the last: the first B tile) */
-                prefetch_rows(w[1].m->a, w[1].m->a_stride, w[1].m->rank, 0, d_in,
-                              w[1].m->dtype);
-            else if (num_items > 0)
-                prefetch_rows(w[1].m->b, w[1].m->b_stride, w[1].m->rank,
-                              w[1].c0 - w[1].m->start, w[1].c1 - w[1].c0, w[1].m->dtype);
+            if (t + nt < num_shrinks) {  /* its A, or its first B^T tile */
+                const work_t *next = &work[t + nt];
+                prefetch_rows(next->m->a, next->m->a_stride, next->m->rank, 0, d_in,
+                              next->m->dtype);
+            } else if (t + nt < num_shrinks + num_items) {
+                const work_t *next = &work[t + nt];
+                prefetch_rows(next->m->b, next->m->b_stride, next->m->rank,
+                              next->c0 - next->m->start, next->c1 - next->c0, next->m->dtype);
+            }
             (w->m->dtype == DT_F32 ? shrink_f32 : shrink_bf16)(
                 xf + w->sg->lo * xs, xs, rows, d_in, w->m, h + w->h_at, w->h_stride);
         }
-#pragma omp for schedule(dynamic)
+#pragma omp for schedule(static, 1)
         for (int64_t t = num_shrinks; t < num_shrinks + num_items; t++) {
             const work_t *w = &work[t];
             const int64_t rows = w->sg->hi - w->sg->lo;
-            if (t + 1 < num_shrinks + num_items)  /* the next item's B^T tile */
-                prefetch_rows(w[1].m->b, w[1].m->b_stride, w[1].m->rank,
-                              w[1].c0 - w[1].m->start, w[1].c1 - w[1].c0, w[1].m->dtype);
+            if (t + nt < num_shrinks + num_items) {  /* this thread's next B^T tile */
+                const work_t *next = &work[t + nt];
+                prefetch_rows(next->m->b, next->m->b_stride, next->m->rank,
+                              next->c0 - next->m->start, next->c1 - next->c0, next->m->dtype);
+            }
             (w->m->dtype == DT_F32 ? expand_f32 : expand_bf16)(
                 h + w->h_at, w->h_stride, rows, w->m, w->c0, w->c1, w->scale,
                 (char *)y + w->sg->lo * y_stride * elem, y_stride, io_dtype);
