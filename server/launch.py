@@ -52,15 +52,12 @@ async def _build_engine(engine_config: EngineConfig, store: object) -> Engine:
     """The worker's engine, built so that only its own thread keeps an OpenMP team
     (``engine/cpu_threads.py``): this loop's thread and its executor's run their torch ops on
     one thread, and the model loads on every core on a thread that ends with the load."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from loraplex.server.engine import cpu_threads
     from loraplex.server.worker import build_engine
 
     cpu_threads.confine()
     loop = asyncio.get_running_loop()
-    loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="loraplex-io",
-                                                 initializer=cpu_threads.confine))
+    loop.set_default_executor(cpu_threads.confined_executor(None, "loraplex-io"))
     return await asyncio.to_thread(cpu_threads.run_on_own_thread,
                                    lambda: build_engine(engine_config, store))
 

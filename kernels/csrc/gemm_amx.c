@@ -242,10 +242,10 @@ static inline __attribute__((always_inline)) void small_group(
     }
 }
 
-/* 7-14 rows: whole panels would need more accumulators than there are registers, and two
-   groups would stream the panel twice; half a panel at a time (2 accumulators a row) keeps
-   every row in one pass (1.0-1.3x oneDNN at 7-14 rows, against 0.8-1.0x in two groups). */
-/* one half (16 columns) of a panel for `rows` rows: 2 accumulators a row */
+/* One half (16 columns) of a panel for `rows` rows, 2 accumulators a row: at 7-14 rows whole
+   panels would need more accumulators than there are registers, and two groups would stream
+   the panel twice; half a panel at a time keeps every row in one pass (1.0-1.3x oneDNN at
+   7-14 rows, against 0.8-1.0x in two groups). */
 static inline __attribute__((always_inline)) void small_half(
         const float *wp, int64_t kb_count, const float *xp, int64_t kp, const float *bias,
         float *y, int64_t ldy, int64_t c0, int64_t count, const int rows, const int half) {

@@ -23,7 +23,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -151,8 +150,7 @@ class AdapterManager:
         # Adapters given pages by acquire() whose weights the runner has not copied in yet.
         self._to_copy: dict[str, HostAdapter] = {}
         # confined: a loader's torch ops must not open a second OpenMP team (cpu_threads.py)
-        self._pool = ThreadPoolExecutor(num_loader_threads, thread_name_prefix="adapter-load",
-                                        initializer=cpu_threads.confine)
+        self._pool = cpu_threads.confined_executor(num_loader_threads, "adapter-load")
         self._copy_stream = torch.cuda.Stream(pools.device) if self._pin else None
         self._pending_copies: list[torch.cuda.Event] = []
         self.counters = {"loads": 0, "load_seconds": 0.0, "load_failures": 0, "host_hits": 0,

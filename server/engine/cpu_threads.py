@@ -14,8 +14,9 @@ compile, a store upload on asyncio's executor, or the model load itself.
 
 So:
 
-* ``confine()`` at the start of every helper thread that may touch torch: its ops run on that
-  one thread and never open a team (it costs them nothing that matters: they are not the
+* ``confine()`` at the start of every helper thread that may touch torch
+  (``confined_executor`` for a pool of them): its ops run on that one thread and never open a
+  team (it costs them nothing that matters: they are not the
   step).
 * ``run_on_own_thread(fn)`` for work off the stepping thread that should use every core (the
   server's model load): a thread made for it and ended with it, taking its team along.
@@ -30,11 +31,12 @@ import ctypes
 import functools
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import torch
 
-__all__ = ["confine", "run_on_own_thread", "use"]
+__all__ = ["confine", "confined_executor", "run_on_own_thread", "use"]
 
 T = TypeVar("T")
 
@@ -63,6 +65,12 @@ def confine() -> None:
     torch.get_num_threads()  # torch's per-thread first-use setup now, or it would undo this
     for setter in _setters():
         setter(1)
+
+
+def confined_executor(max_workers: int | None, thread_name_prefix: str) -> ThreadPoolExecutor:
+    """A thread pool whose threads ``confine()`` themselves as they start."""
+    return ThreadPoolExecutor(max_workers, thread_name_prefix=thread_name_prefix,
+                              initializer=confine)
 
 
 def use(num_threads: int) -> None:

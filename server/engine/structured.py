@@ -42,7 +42,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -279,8 +279,7 @@ class GrammarService:
         self._compiler_lock = threading.Lock()
         self._inflight: dict[tuple, list[GrammarState]] = {}
         self._inflight_lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="grammar",
-                                            initializer=cpu_threads.confine)
+        self._executor = cpu_threads.confined_executor(_COMPILE_THREADS, "grammar")
         # Read the vocabulary now, in the background: the first constrained request then
         # waits for its grammar only.
         self._executor.submit(self._warm).add_done_callback(_log_unexpected)
