@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import torch
@@ -154,6 +155,22 @@ def assert_pages_idle(engine) -> None:
     s = engine.pager.stats()
     assert s.num_kv == 0, s
     assert s.num_free + s.num_evictable == s.num_pages, s
+
+
+def warm_host_tier(engine, digests, timeout: float = 60.0) -> None:
+    """Load every adapter of ``digests`` into the engine's host tier and wait until all are
+    there. Loads run on loader threads, so without this the step at which an adapter becomes
+    ready (and with it, in a tight pool, whether a run preempts) depends on the machine's
+    speed; warmed, the schedule that follows is the same on every machine."""
+    wanted = {d for d in digests if d is not None}
+    for digest in wanted:
+        engine.adapters.prefetch(digest)
+    deadline = time.monotonic() + timeout
+    while any(engine.adapters.host_pages(d) is None for d in wanted):
+        failed = engine.adapters.take_failures()
+        assert not failed, failed
+        assert time.monotonic() < deadline, f"adapters not in the host tier after {timeout} s"
+        time.sleep(0.005)
 
 
 # -- GGUF files ---------------------------------------------------------------------------------

@@ -13,7 +13,13 @@ from loraplex.server.engine.engine import Engine
 from loraplex.server.engine.models.config import ModelConfig
 from loraplex.server.engine.request import SamplingParams
 from tests.engine.test_parity import run_staggered
-from tests.helpers import make_model, make_peft_adapters, peft_greedy, random_prompts
+from tests.helpers import (
+    make_model,
+    make_peft_adapters,
+    peft_greedy,
+    random_prompts,
+    warm_host_tier,
+)
 
 
 class LoadedSource:
@@ -91,6 +97,7 @@ def test_eviction_reload_and_preemption_keep_outputs(setup):
     engine = Engine(EngineConfig(model=str(model), num_pages=124, scheduler=SchedulerConfig(
         page_size=4, max_num_batched_tokens=16)), adapter_source=source)
     digests = digests_for(adapters, names)
+    warm_host_tier(engine, digests)  # the same schedule (and preemption) on any machine
     assert run(engine, prompts, digests, max_tokens, [0] * len(names)) == expected
     # a second pass, staggered: evicted adapters come back from the host cache
     assert run(engine, prompts, digests, max_tokens, [i % 5 for i in range(len(names))]) \

@@ -16,7 +16,13 @@ from loraplex.server.engine.models.config import ModelConfig
 from loraplex.server.engine.request import SamplingParams
 from loraplex.server.params import StructuredOutput
 from tests.engine.test_lora_parity import LoadedSource
-from tests.helpers import make_model, make_peft_adapters, peft_greedy, random_prompts
+from tests.helpers import (
+    make_model,
+    make_peft_adapters,
+    peft_greedy,
+    random_prompts,
+    warm_host_tier,
+)
 
 PAGE = 4
 
@@ -86,6 +92,7 @@ def test_greedy_with_speculation_equals_peft_and_off(setup):
         # A pool that the rank-64 adapter and the batch's KV overfill: preemption and
         # eviction; the second pass gets prefix-cache hits.
         engine = _engine(model, adapters, method, num_pages=124)
+        warm_host_tier(engine, digests)  # the same schedule (and preemption) on any machine
         per_request: tuple[dict, dict] = ({}, {})
         first = _run(engine, prompts, digests, params, arrivals, per_request[0])
         second = _run(engine, prompts, digests, params, [0] * len(prompts), per_request[1])

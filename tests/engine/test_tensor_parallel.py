@@ -15,7 +15,14 @@ from loraplex.server.engine.engine import Engine
 from loraplex.server.engine.models.config import ModelConfig
 from tests.engine.test_lora_parity import LoadedSource, digests_for, run
 from tests.engine.test_parity import run_staggered
-from tests.helpers import hf_greedy, make_model, make_peft_adapters, peft_greedy, random_prompts
+from tests.helpers import (
+    hf_greedy,
+    make_model,
+    make_peft_adapters,
+    peft_greedy,
+    random_prompts,
+    warm_host_tier,
+)
 
 
 @pytest.fixture(scope="module", params=[2, 1], ids=["kv-heads-divide", "kv-heads-replicated"])
@@ -72,6 +79,7 @@ def test_tp2_preemption_and_adapter_eviction_keep_outputs(setup):
     # this pool holds it and some KV, never every adapter beside the KV.
     tp2 = engine(model, adapters, 2, 188, 16)
     try:
+        warm_host_tier(tp2, digests)  # the same schedule (and preemption) on any machine
         assert run(tp2, prompts, digests, max_tokens, [0] * len(names)) == expected
         assert run(tp2, prompts, digests, max_tokens, [i % 5 for i in range(len(names))]) \
             == expected

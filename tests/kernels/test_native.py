@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 
 import pytest
 import torch
@@ -83,3 +84,30 @@ def test_build_failure_falls_back_and_names_it(fresh, monkeypatch, caplog):
         assert native.library("broken") is None
     assert "broken" in caplog.text and "undeclared_name" in caplog.text
     assert not list((fresh / "cache" / "native").glob("*"))  # nothing half-written left
+
+
+def test_a_stuck_compiler_is_killed_with_its_children(fresh, monkeypatch, caplog):
+    # gcc's driver runs cc1 as a child: a timeout that kills only the driver leaves cc1 running
+    child_pid = fresh / "child.pid"
+    cc = fresh / "stuck-cc"
+    cc.write_text(f"#!/bin/sh\nsleep 600 &\necho $! > {child_pid}\nwait\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setattr(native, "BUILD_TIMEOUT_S", 1.0)
+    with caplog.at_level(logging.WARNING, logger="loraplex.kernels.native"):
+        assert native.library("selftest") is None
+    assert "ran past 1 s" in caplog.text
+    pid = int(child_pid.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid), "the compiler's child outlived the timeout"
+    assert not list((fresh / "cache" / "native").glob("*"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie is dead, only not yet reaped by its (killed) parent
