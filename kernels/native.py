@@ -26,6 +26,7 @@ import logging
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -42,6 +43,8 @@ _SOURCES = Path(__file__).with_name("csrc")
 ENGINE_KERNELS = ("decode_attention", "elementwise", "gemm_amx", "lora", "prefill_attention")
 _FLAGS = ("-O3", "-march=native", "-std=c11", "-fPIC", "-shared", "-fopenmp",
           "-fno-math-errno", "-Wall")
+# a compiler past this is stuck (every kernel builds in seconds): killed, with its children
+BUILD_TIMEOUT_S = 120.0
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
@@ -79,15 +82,27 @@ def _build(name: str, compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *_FLAGS, str(source), "-o", tmp, "-lm"],
-                              capture_output=True, text=True, timeout=120)
-        if proc.returncode != 0:
-            raise RuntimeError(proc.stderr.strip()[-2000:] or f"exit {proc.returncode}")
+        _compile([compiler, *_FLAGS, str(source), "-o", tmp, "-lm"])
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def _compile(argv: list[str]) -> None:
+    """Run the compiler in its own process group: at the timeout the whole group is killed
+    (the driver's children too: killing only ``cc`` leaves ``cc1`` burning a core)."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=BUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise RuntimeError(f"the compiler ran past {BUILD_TIMEOUT_S:g} s (killed)") from None
+    if proc.returncode != 0:
+        raise RuntimeError(stderr.strip()[-2000:] or f"exit {proc.returncode}")
 
 
 def library(name: str) -> ctypes.CDLL | None:

@@ -53,26 +53,63 @@ INLINE float hsum16(v16f v) {
 #endif
 }
 
-/* exp(x) for x <= 0 (scores minus their maximum), 16 at a time: Cephes' expf, x = n ln2 + r
- * with |r| <= ln2 / 2, a degree-6 polynomial for e^r, 2^n built in the exponent bits; within
- * 2 ulp of expf. Explicit vectors because glibc's expf is a scalar call in gcc's eyes. Below
- * -87 (e^-87 ~ 1.6e-38, nothing next to the largest term, 1) the result is 0, so -inf gives 0
- * (padding lanes); NaN stays NaN (a NaN score must poison its row, as in the reference). */
-INLINE v16f exp16(v16f x) {
-    const v16i live = (x >= -87.0f) | (x != x); /* all ones where kept; NaN stays NaN */
-    x = (v16f)(((v16i)x & live) | ((v16i)((v16f){0} - 87.0f) & ~live));
-    /* round to nearest by the 1.5 * 2^23 trick (|x log2 e| < 2^22; any rounding mode works) */
-    const v16f n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    v16f r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    v16f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const v16i two_n = (__builtin_convertvector(n, v16i) + 127) << 23;
-    return (v16f)((v16i)(p * (v16f)two_n) & live);
+/* exp(x) for x <= 0 (scores minus their maximum), a vector at a time: Cephes' expf, x = n ln2
+ * + r with |r| <= ln2 / 2, a degree-6 polynomial for e^r, 2^n built in the exponent bits;
+ * within 2 ulp of expf. Explicit vectors because glibc's expf is a scalar call in gcc's eyes.
+ * Below -87 (e^-87 ~ 1.6e-38, nothing next to the largest term, 1) the result is 0, so -inf
+ * gives 0 (padding lanes); NaN stays NaN (a NaN score must poison its row, as in the
+ * reference). One body, two widths: exp16 (16 lanes) and expw (VW lanes, below). */
+#define DEFINE_EXP(NAME, VF, VI)                                                           \
+    INLINE VF NAME(VF x) {                                                                 \
+        const VI live = (x >= -87.0f) | (x != x); /* all ones where kept; NaN stays NaN */ \
+        x = (VF)(((VI)x & live) | ((VI)((VF){0} - 87.0f) & ~live));                        \
+        /* round to nearest by the 1.5 * 2^23 trick (|x log2 e| < 2^22; any rounding mode) */ \
+        const VF n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;               \
+        VF r = x - n * 0.693359375f;                                                       \
+        r = r - n * -2.12194440e-4f;                                                       \
+        VF p = r * 1.9875691500e-4f + 1.3981999507e-3f;                                    \
+        p = p * r + 8.3334519073e-3f;                                                      \
+        p = p * r + 4.1665795894e-2f;                                                      \
+        p = p * r + 1.6666665459e-1f;                                                      \
+        p = p * r + 5.0000001201e-1f;                                                      \
+        p = p * r * r + r + 1.0f;                                                          \
+        const VI two_n = (__builtin_convertvector(n, VI) + 127) << 23;                     \
+        return (VF)((VI)(p * (VF)two_n) & live);                                           \
+    }
+DEFINE_EXP(exp16, v16f, v16i)
+
+/* The machine's vector register: VW floats (16 with AVX-512, else 8, AVX2's 256 bits). Loops
+ * that keep many accumulators (prefill_attention.c's register-blocked tiles) are written in
+ * these: a 64-byte vector on an AVX2 machine is lowered to pairs of registers, and with dozens
+ * of them live, gcc's register allocation takes minutes per specialisation (and the code
+ * spills). */
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+typedef float vwf __attribute__((vector_size(4 * VW)));
+typedef float vwf_u __attribute__((vector_size(4 * VW), aligned(4)));
+typedef int32_t vwi __attribute__((vector_size(4 * VW)));
+
+INLINE vwf loadw(const float *p) { return *(const vwf_u *)p; }
+INLINE void storew(float *p, vwf v) { *(vwf_u *)p = v; }
+
+#if VW == 16
+INLINE float hsumw(vwf v) { return hsum16(v); }
+INLINE vwf expw(vwf x) { return exp16(x); }
+#else
+INLINE float hsumw(vwf v) {
+#if defined(__clang__) || __GNUC__ >= 12 /* __builtin_shufflevector */
+    v4f b = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+#else
+    float r = 0.0f;
+    for (int i = 0; i < VW; i++) r += v[i];
+    return r;
+#endif
 }
+DEFINE_EXP(expw, vwf, vwi)
+#endif
 
 #endif /* LORAPLEX_ATTENTION_H */

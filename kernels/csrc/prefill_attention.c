@@ -19,14 +19,15 @@
  * float32 or bfloat16, one dtype for q, pool and out. D must be a multiple of 16.
  *
  * A task is a sequence, one KV head and a block of up to QBLOCK queries. It gathers the keys
- * the block can see, transposed ([D, L'] with L' rounded up to 32, zero past the end), and
+ * the block can see, transposed ([D, L'] with L' rounded up to KTILE, zero past the end), and
  * the values ([L', D]), into per-thread float32 buffers once; then the G * QBLOCK query rows
- * go four at a time through two register-blocked products: scores = Q K^T as 4 x 32 tiles
- * (each key column loaded once for four rows), an exact softmax per row over the keys it may
- * see (the block's later keys masked to -inf, so exp gives 0), and out = P V as 4 x D tiles
- * (each value row loaded once for four rows). The causal upper triangle is skipped a tile of
- * 32 keys at a time. Against torch's fused SDPA on one sequence at a time (the torch path,
- * cpu._prefill_one): see docs/benchmarks.md.
+ * go RB at a time through two register-blocked products: scores = Q K^T as RB x KTILE tiles
+ * (each key column loaded once for RB rows), an exact softmax per row over the keys it may
+ * see (the block's later keys masked to -inf, so exp gives 0), and out = P V as RB x D tiles
+ * (each value row loaded once for RB rows). The causal upper triangle is skipped a tile of
+ * KTILE keys at a time. Tiles are in the machine's vectors (attention.h's VW): with AVX-512
+ * RB = 4 and KTILE = 32, with AVX2 RB = 2 and KTILE = 16. Against torch's fused SDPA on one
+ * sequence at a time (the torch path, cpu._prefill_one): see docs/benchmarks.md.
  */
 #include <math.h>
 #include <stdint.h>
@@ -36,7 +37,15 @@
 #include "attention.h"
 
 #define QBLOCK 64 /* queries per task: enough work to amortise the gather, and tasks to share */
-#define KTILE 32  /* keys per score tile: two vectors */
+#define KTILE (2 * VW) /* keys per score tile: two vectors (32 with AVX-512, 16 with AVX2) */
+/* query rows per register-blocked tile: RB rows keep 2 * RB score and RB * D / VW output
+ * accumulators live, which at D = 64 fit AVX-512's 32 registers at 4 and (nearly) AVX2's 16
+ * at 2; measured on a Zen 3 core, RB 4 with AVX2 was no faster */
+#if VW == 16
+#define RB 4
+#else
+#define RB 2
+#endif
 
 typedef struct {
     const void *q, *pool;
@@ -48,9 +57,6 @@ typedef struct {
     int Hkv, G, D, P;
     float scale;
 } Call;
-
-INLINE v16f load16f(const float *p) { return *(const v16f_u *)p; }
-INLINE void store16f(float *p, v16f v) { *(v16f_u *)p = v; }
 
 /* Keys 0 .. nk - 1 of KV head h into kt ([D, ldk], transposed, zero from nk to ldk) and their
  * values into v ([nk, D]), float32. */
@@ -78,19 +84,19 @@ INLINE void gather(const Call *c, const int32_t *pages, int64_t nk, int64_t ldk,
         for (int64_t p = nk; p < ldk; p++) kt[(int64_t)d * ldk + p] = 0.0f;
 }
 
-/* NR (1 or 4) query rows qf[r * D ..] with key limits lim[r] (row r sees keys < lim[r]; the
+/* NR (1 or RB) query rows qf[r * D ..] with key limits lim[r] (row r sees keys < lim[r]; the
  * largest is lim[NR - 1]): their attention outputs into o[r * D ..], float32. s: NR * ldk. */
 INLINE void rows_attend(const float *restrict qf, const int64_t *lim, const int NR, const int D,
                         const float *restrict kt, int64_t ldk, const float *restrict v,
                         float scale, float *restrict s, float *restrict o) {
     const int64_t top = lim[NR - 1], tiles = (top + KTILE - 1) / KTILE;
-    /* scores, 4 x 32 at a time: each key column is loaded once for the NR rows */
+    /* scores, NR x KTILE at a time: each key column is loaded once for the NR rows */
     for (int64_t t = 0; t < tiles; t++) {
-        v16f acc[4][2];
-        for (int r = 0; r < NR; r++) acc[r][0] = acc[r][1] = (v16f){0};
+        vwf acc[RB][2];
+        for (int r = 0; r < NR; r++) acc[r][0] = acc[r][1] = (vwf){0};
         const float *col = kt + t * KTILE;
         for (int d = 0; d < D; d++) {
-            const v16f k0 = load16f(col + (int64_t)d * ldk), k1 = load16f(col + (int64_t)d * ldk + 16);
+            const vwf k0 = loadw(col + (int64_t)d * ldk), k1 = loadw(col + (int64_t)d * ldk + VW);
             for (int r = 0; r < NR; r++) {
                 const float qd = qf[r * D + d];
                 acc[r][0] += qd * k0;
@@ -98,43 +104,43 @@ INLINE void rows_attend(const float *restrict qf, const int64_t *lim, const int 
             }
         }
         for (int r = 0; r < NR; r++) {
-            store16f(s + r * ldk + t * KTILE, acc[r][0] * scale);
-            store16f(s + r * ldk + t * KTILE + 16, acc[r][1] * scale);
+            storew(s + r * ldk + t * KTILE, acc[r][0] * scale);
+            storew(s + r * ldk + t * KTILE + VW, acc[r][1] * scale);
         }
     }
     /* exact softmax per row over its own keys; the rest of its tiles -inf, so exp gives 0 */
-    float inv[4];
+    float inv[RB];
     for (int r = 0; r < NR; r++) {
         float *sr = s + r * ldk;
         for (int64_t p = lim[r]; p < tiles * KTILE; p++) sr[p] = -INFINITY;
-        v16f vm = (v16f){0} - INFINITY;
-        for (int64_t p = 0; p < tiles * KTILE; p += 16) {
-            const v16f x = load16f(sr + p);
-            vm = (v16f)(((v16i)x & (x > vm)) | ((v16i)vm & ~(x > vm)));
+        vwf vm = (vwf){0} - INFINITY;
+        for (int64_t p = 0; p < tiles * KTILE; p += VW) {
+            const vwf x = loadw(sr + p);
+            vm = (vwf)(((vwi)x & (x > vm)) | ((vwi)vm & ~(x > vm)));
         }
         float m = -INFINITY;
-        for (int e = 0; e < 16; e++) m = vm[e] > m ? vm[e] : m;
-        v16f vs = {0};
-        for (int64_t p = 0; p < tiles * KTILE; p += 16) {
-            const v16f x = exp16(load16f(sr + p) - m);
-            store16f(sr + p, x);
+        for (int e = 0; e < VW; e++) m = vm[e] > m ? vm[e] : m;
+        vwf vs = {0};
+        for (int64_t p = 0; p < tiles * KTILE; p += VW) {
+            const vwf x = expw(loadw(sr + p) - m);
+            storew(sr + p, x);
             vs += x;
         }
-        inv[r] = 1.0f / hsum16(vs);
+        inv[r] = 1.0f / hsumw(vs);
     }
     /* out = P V, NR x D at a time: each value row is loaded once for the NR rows */
-    v16f acc[4][D / 16];
+    vwf acc[RB][D / VW];
     for (int r = 0; r < NR; r++)
-        for (int e = 0; e < D / 16; e++) acc[r][e] = (v16f){0};
+        for (int e = 0; e < D / VW; e++) acc[r][e] = (vwf){0};
     for (int64_t p = 0; p < top; p++) {
         const float *vr = v + p * D;
-        for (int e = 0; e < D / 16; e++) {
-            const v16f ve = load16f(vr + 16 * e);
+        for (int e = 0; e < D / VW; e++) {
+            const vwf ve = loadw(vr + VW * e);
             for (int r = 0; r < NR; r++) acc[r][e] += s[r * ldk + p] * ve;
         }
     }
     for (int r = 0; r < NR; r++)
-        for (int e = 0; e < D / 16; e++) store16f(o + r * D + 16 * e, acc[r][e] * inv[r]);
+        for (int e = 0; e < D / VW; e++) storew(o + r * D + VW * e, acc[r][e] * inv[r]);
 }
 
 /* Task `task`: KV head task % Hkv of its sequence, queries task_q0 .. + QBLOCK. buf holds
@@ -154,8 +160,8 @@ INLINE void task_body(const Call *c, int64_t task, float *buf, int bf16, const i
     for (int g = 0; g < c->G; g++) {
         const int64_t head = (int64_t)(h * c->G + g) * D;
         for (int64_t a = 0; a < na;) {
-            const int nr = na - a >= 4 ? 4 : 1;
-            int64_t lim[4];
+            const int nr = na - a >= RB ? RB : 1;
+            int64_t lim[RB];
             for (int r = 0; r < nr; r++) {
                 const int64_t row = c->q_starts[i] + a0 + a + r;
                 const char *qr = (const char *)c->q + (row * c->q_stride + head) * esize;
@@ -164,8 +170,8 @@ INLINE void task_body(const Call *c, int64_t task, float *buf, int bf16, const i
                                          : ((const float *)qr)[d];
                 lim[r] = L - n + a0 + a + r + 1;
             }
-            if (nr == 4) {
-                rows_attend(qf, lim, 4, D, kt, ldk, v, c->scale, s, o);
+            if (nr == RB) {
+                rows_attend(qf, lim, RB, D, kt, ldk, v, c->scale, s, o);
             } else {
                 rows_attend(qf, lim, 1, D, kt, ldk, v, c->scale, s, o);
             }
@@ -195,24 +201,11 @@ SPECIALISE(task_f32_d128, 0, 128)
 SPECIALISE(task_bf16_d64, 1, 64)
 SPECIALISE(task_bf16_d128, 1, 128)
 
-/* Any other multiple of 16 up to 256: one specialisation per size too (a tile row keeps its
- * D / 16 vectors in registers), picked at run time. */
-#define CASE(BF16, DIM)                                                                    \
-    case DIM:                                                                              \
-        task_body(c, task, buf, BF16, DIM);                                                \
-        break;
-#define SPECIALISE_ANY(NAME, BF16)                                                         \
-    static void NAME(const Call *c, int64_t task, float *buf) {                            \
-        switch (c->D) {                                                                    \
-            CASE(BF16, 16) CASE(BF16, 32) CASE(BF16, 48) CASE(BF16, 80) CASE(BF16, 96)     \
-            CASE(BF16, 112) CASE(BF16, 144) CASE(BF16, 160) CASE(BF16, 176) CASE(BF16, 192) \
-            CASE(BF16, 208) CASE(BF16, 224) CASE(BF16, 240) CASE(BF16, 256)                 \
-            default: break;                                                                \
-        }                                                                                  \
-    }
-SPECIALISE_ANY(task_f32_any, 0)
-SPECIALISE_ANY(task_bf16_any, 1)
-#undef CASE
+/* Any other multiple of 16 up to 256: one specialisation with D known only at run time (its
+ * P V accumulators an array in L1, not registers). One per size compiled for minutes with AVX2
+ * (32 instances of the tile loops) for head sizes no model the engine serves uses. */
+SPECIALISE(task_f32_any, 0, c->D)
+SPECIALISE(task_bf16_any, 1, c->D)
 
 /* dtype: 0 float32, 1 bfloat16. Returns 0 on success, 1 if a buffer could not be allocated
  * (some rows then unwritten: the caller runs its torch path), 2 for a bad argument (an unknown
