@@ -4,6 +4,7 @@ closed-loop concurrency, count and time bounds, errors by status code."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -51,10 +52,32 @@ def run(tr, server: FakeServer, **kwargs):
     return asyncio.run(run_stream(tr, server.stream, config))
 
 
+def run_timing_the_loop(tr, server: FakeServer, **kwargs):
+    """``run``, and the longest the event loop itself was held up meanwhile (a ticker's
+    oversleep): a stall of the whole process (a GC pass, another test's thread holding the
+    GIL) delays every send, which is no fault of the runner's schedule."""
+    async def main():
+        stalls = [0.0]
+
+        async def ticker():
+            while True:
+                start = time.perf_counter()
+                await asyncio.sleep(0.002)
+                stalls.append(time.perf_counter() - start - 0.002)
+
+        tick = asyncio.create_task(ticker())
+        try:
+            log = await run_stream(tr, server.stream, RunConfig(progress=False, **kwargs))
+        finally:
+            tick.cancel()
+        return log, max(stalls)
+    return asyncio.run(main())
+
+
 def test_open_loop_sends_on_schedule_and_times_every_token():
     tr = trace()
     server = FakeServer()
-    log = run(tr, server, warmup_requests=5)
+    log, stall = run_timing_the_loop(tr, server, warmup_requests=5)
     assert len(log.records) == 30 and all(r.ok for r in log.records)
     assert [r.warmup for r in log.records].count(True) == 5
     by_id = {r.request_id: r for r in log.records}
@@ -63,7 +86,7 @@ def test_open_loop_sends_on_schedule_and_times_every_token():
         assert r.num_output_tokens == req.output_len
         assert r.num_cached_tokens == 3 and r.num_prompt_tokens == len(req.prompt)
         assert r.arrival_time == req.arrival_time
-        assert 0 <= r.client_lag < 0.05  # sent on time (loose: shared CI machines)
+        assert 0 <= r.client_lag < 0.05 + stall  # sent on time (loose: shared CI machines)
         assert r.ttft >= 0.02 and all(g >= 0.004 for g in r.itls)
         assert r.send_time <= r.token_times[0] <= r.end_time
     report = build_report(log)
