@@ -49,12 +49,18 @@ typedef struct {
     int64_t lo, hi, table, num_modules;
 } segment_t;
 
-/* GCC/clang vectors of 16 lanes: AVX-512 registers where the CPU has them (-march=native),
- * pairs or quads of narrower ones elsewhere; unaligned, and allowed to alias the tensors. */
+/* GCC/clang vectors of the machine's register width (-march=native): 16 lanes with AVX-512,
+ * else 8 (AVX2's 256 bits; 16-lane vectors there are register pairs, and the expand's 4 x 2
+ * accumulators of them spill: 1.3-2x slower on Zen 3); unaligned, and allowed to alias the
+ * tensors. */
+#ifdef __AVX512F__
 enum { VL = 16 };
-typedef float vf __attribute__((vector_size(64), aligned(4), may_alias));
-typedef uint32_t vu __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32), aligned(2), may_alias));
+#else
+enum { VL = 8 };
+#endif
+typedef float vf __attribute__((vector_size(4 * VL), aligned(4), may_alias));
+typedef uint32_t vu __attribute__((vector_size(4 * VL)));
+typedef uint16_t vh __attribute__((vector_size(2 * VL), aligned(2), may_alias));
 
 static inline vf ld_f32(const float *p) { return *(const vf *)p; }
 
@@ -186,9 +192,9 @@ static inline void store_one(char *y, int64_t y_dtype, int64_t at, float out, fl
     }
 }
 
-/* y[i, c0:c1] += scale * h_i @ BT[:, c0 - start : c1 - start] for every row i: two rows by 64
- * columns at a time, the sums in eight registers over the ranks (each B^T load serves two
- * rows), then 16 columns, then single ones. */
+/* y[i, c0:c1] += scale * h_i @ BT[:, c0 - start : c1 - start] for every row i: two rows by 4 VL
+ * columns at a time, the sums in eight vectors over the ranks (each B^T load serves two
+ * rows), then VL columns, then single ones. */
 #define DEFINE_EXPAND(NAME, W, LD, LD1)                                                    \
     static void NAME(const float *restrict h, int64_t hs, int64_t rows, const module_t *m, \
                      int64_t c0, int64_t c1, float scale, char *y, int64_t ys,             \
@@ -204,7 +210,7 @@ static inline void store_one(char *y, int64_t y_dtype, int64_t at, float out, fl
                 vf t0 = {0}, t1 = {0}, t2 = {0}, t3 = {0};                                 \
                 for (int64_t k = 0; k < rank; k++) {                                       \
                     const W *b = B + k * bs + (c - off);                                   \
-                    __builtin_prefetch(b + 4 * VL);  /* this rank's next 64 columns */     \
+                    __builtin_prefetch(b + 4 * VL);  /* this rank's next 4 VL columns */   \
                     __builtin_prefetch(b + 6 * VL);                                        \
                     const vf b0 = LD(b), b1 = LD(b + VL), b2 = LD(b + 2 * VL);             \
                     const vf b3 = LD(b + 3 * VL);                                          \
