@@ -8,6 +8,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "vector_width.h"
+
 /* -std=c11 turns off contracting a * b + c into one FMA; these loops are sums of products. */
 #pragma GCC optimize("fp-contract=fast")
 
@@ -78,16 +80,8 @@ INLINE float hsum16(v16f v) {
     }
 DEFINE_EXP(exp16, v16f, v16i)
 
-/* The machine's vector register: VW floats (16 with AVX-512, else 8, AVX2's 256 bits). Loops
- * that keep many accumulators (prefill_attention.c's register-blocked tiles) are written in
- * these: a 64-byte vector on an AVX2 machine is lowered to pairs of registers, and with dozens
- * of them live, gcc's register allocation takes minutes per specialisation (and the code
- * spills). */
-#if defined(__AVX512F__)
-#define VW 16
-#else
-#define VW 8
-#endif
+/* Loops that keep many accumulators (prefill_attention.c's register-blocked tiles) are
+ * written in vectors of the machine's width, VW (vector_width.h). */
 typedef float vwf __attribute__((vector_size(4 * VW)));
 typedef float vwf_u __attribute__((vector_size(4 * VW), aligned(4)));
 typedef int32_t vwi __attribute__((vector_size(4 * VW)));

@@ -22,6 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vector_width.h"
+
 /* ISO C (-std=c11) turns FMA contraction off; a * b + c as one FMA is what every BLAS does,
  * and is only more exact. */
 #pragma GCC optimize("fp-contract=fast")
@@ -49,18 +51,13 @@ typedef struct {
     int64_t lo, hi, table, num_modules;
 } segment_t;
 
-/* GCC/clang vectors of the machine's register width (-march=native): 16 lanes with AVX-512,
- * else 8 (AVX2's 256 bits; 16-lane vectors there are register pairs, and the expand's 4 x 2
- * accumulators of them spill: 1.3-2x slower on Zen 3); unaligned, and allowed to alias the
+/* GCC/clang vectors of the machine's register width, VW lanes (vector_width.h: 16 with
+ * AVX-512, else 8; 16-lane vectors on AVX2 were register pairs, and the expand's 4 x 2
+ * accumulators of them spilled: 2-3x slower on Zen 3); unaligned, and allowed to alias the
  * tensors. */
-#ifdef __AVX512F__
-enum { VL = 16 };
-#else
-enum { VL = 8 };
-#endif
-typedef float vf __attribute__((vector_size(4 * VL), aligned(4), may_alias));
-typedef uint32_t vu __attribute__((vector_size(4 * VL)));
-typedef uint16_t vh __attribute__((vector_size(2 * VL), aligned(2), may_alias));
+typedef float vf __attribute__((vector_size(4 * VW), aligned(4), may_alias));
+typedef uint32_t vu __attribute__((vector_size(4 * VW)));
+typedef uint16_t vh __attribute__((vector_size(2 * VW), aligned(2), may_alias));
 
 static inline vf ld_f32(const float *p) { return *(const vf *)p; }
 
@@ -78,7 +75,7 @@ static inline vh to_bf16(vf f) {
 
 static inline float hsum(vf v) {
     float s = 0;
-    for (int j = 0; j < VL; j++) s += v[j];
+    for (int j = 0; j < VW; j++) s += v[j];
     return s;
 }
 
@@ -127,7 +124,7 @@ static inline const module_t *modules_of(const segment_t *s) {
     static void NAME(const float *restrict x, int64_t xs, int64_t rows, int64_t d_in,      \
                      const module_t *m, float *restrict h, int64_t hs) {                   \
         const W *A = (const W *)(intptr_t)m->a;                                            \
-        const int64_t as = m->a_stride, dv = d_in - d_in % VL;                             \
+        const int64_t as = m->a_stride, dv = d_in - d_in % VW;                             \
         for (int64_t k = 0; k < m->rank; k += 4) {                                         \
             const int64_t nk = m->rank - k < 4 ? m->rank - k : 4;                          \
             /* past the last rank, repeat it: the sums are computed and not stored */      \
@@ -139,7 +136,7 @@ static inline const module_t *modules_of(const segment_t *s) {
                 const float *x0 = x + i * xs, *x1 = i + 1 < rows ? x0 + xs : x0;           \
                 vf s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};                                 \
                 vf t0 = {0}, t1 = {0}, t2 = {0}, t3 = {0};                                 \
-                for (int64_t d = 0; d < dv; d += VL) {                                     \
+                for (int64_t d = 0; d < dv; d += VW) {                                     \
                     /* the next four ranks' rows, one group ahead: blocks are many and */  \
                     /* short, so the hardware's stream prefetch alone starts late */       \
                     __builtin_prefetch(pf + d);                                            \
@@ -192,9 +189,9 @@ static inline void store_one(char *y, int64_t y_dtype, int64_t at, float out, fl
     }
 }
 
-/* y[i, c0:c1] += scale * h_i @ BT[:, c0 - start : c1 - start] for every row i: two rows by 4 VL
+/* y[i, c0:c1] += scale * h_i @ BT[:, c0 - start : c1 - start] for every row i: two rows by 4 VW
  * columns at a time, the sums in eight vectors over the ranks (each B^T load serves two
- * rows), then VL columns, then single ones. */
+ * rows), then VW columns, then single ones. */
 #define DEFINE_EXPAND(NAME, W, LD, LD1)                                                    \
     static void NAME(const float *restrict h, int64_t hs, int64_t rows, const module_t *m, \
                      int64_t c0, int64_t c1, float scale, char *y, int64_t ys,             \
@@ -205,32 +202,32 @@ static inline void store_one(char *y, int64_t y_dtype, int64_t at, float out, fl
             const int two = i + 1 < rows;                                                  \
             const float *h0 = h + i * hs, *h1 = two ? h0 + hs : h0;                        \
             int64_t c = c0;                                                                \
-            for (; c + 4 * VL <= c1; c += 4 * VL) {                                        \
+            for (; c + 4 * VW <= c1; c += 4 * VW) {                                        \
                 vf s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};                                 \
                 vf t0 = {0}, t1 = {0}, t2 = {0}, t3 = {0};                                 \
                 for (int64_t k = 0; k < rank; k++) {                                       \
                     const W *b = B + k * bs + (c - off);                                   \
-                    __builtin_prefetch(b + 4 * VL);  /* this rank's next 4 VL columns */   \
-                    __builtin_prefetch(b + 6 * VL);                                        \
-                    const vf b0 = LD(b), b1 = LD(b + VL), b2 = LD(b + 2 * VL);             \
-                    const vf b3 = LD(b + 3 * VL);                                          \
+                    __builtin_prefetch(b + 4 * VW);  /* this rank's next 4 VW columns */   \
+                    __builtin_prefetch(b + 6 * VW);                                        \
+                    const vf b0 = LD(b), b1 = LD(b + VW), b2 = LD(b + 2 * VW);             \
+                    const vf b3 = LD(b + 3 * VW);                                          \
                     const float p = h0[k], q = h1[k];                                      \
                     s0 += p * b0, s1 += p * b1, s2 += p * b2, s3 += p * b3;                \
                     t0 += q * b0, t1 += q * b1, t2 += q * b2, t3 += q * b3;                \
                 }                                                                          \
                 const int64_t r0 = i * ys + c, r1 = r0 + ys;                               \
                 store_vec(y, y_dtype, r0, s0, scale);                                      \
-                store_vec(y, y_dtype, r0 + VL, s1, scale);                                 \
-                store_vec(y, y_dtype, r0 + 2 * VL, s2, scale);                             \
-                store_vec(y, y_dtype, r0 + 3 * VL, s3, scale);                             \
+                store_vec(y, y_dtype, r0 + VW, s1, scale);                                 \
+                store_vec(y, y_dtype, r0 + 2 * VW, s2, scale);                             \
+                store_vec(y, y_dtype, r0 + 3 * VW, s3, scale);                             \
                 if (two) {                                                                 \
                     store_vec(y, y_dtype, r1, t0, scale);                                  \
-                    store_vec(y, y_dtype, r1 + VL, t1, scale);                             \
-                    store_vec(y, y_dtype, r1 + 2 * VL, t2, scale);                         \
-                    store_vec(y, y_dtype, r1 + 3 * VL, t3, scale);                         \
+                    store_vec(y, y_dtype, r1 + VW, t1, scale);                             \
+                    store_vec(y, y_dtype, r1 + 2 * VW, t2, scale);                         \
+                    store_vec(y, y_dtype, r1 + 3 * VW, t3, scale);                         \
                 }                                                                          \
             }                                                                              \
-            for (; c + VL <= c1; c += VL) {                                                \
+            for (; c + VW <= c1; c += VW) {                                                \
                 vf s0 = {0}, t0 = {0};                                                     \
                 for (int64_t k = 0; k < rank; k++) {                                       \
                     const vf b0 = LD(B + k * bs + (c - off));                              \
