@@ -258,6 +258,12 @@ class SegmentBlocks(NamedTuple):
 # product: decode rows, measured 5 against 15 us for q/k/v at rank 16, SmolLM2's shapes);
 # longer segments expand module by module, in fp32 (FLOPs dominate there).
 _SHORT_SEGMENT = 16
+# In float32 the native kernel takes segments of any length: with the output's rows prefetched
+# ahead of its read-modify-write it is 1.06-1.78x torch's shrink + addmm at prefill's 96-1536
+# rows a segment (one Zen 4 core, SmolLM2's projections; benchmarks/cpu_lora_bench.py
+# --prefill). In bf16 the long ones stay on oneDNN's bf16 GEMMs (the native kernel was
+# 0.83-1.5x there, and rounds h differently).
+_NATIVE_F32_SEGMENT = 1 << 62
 
 
 def _native_bf16() -> bool:
@@ -288,17 +294,20 @@ def lora_segments(x: torch.Tensor, y: torch.Tensor, segments: Sequence[SegmentBl
 
     On CPU the fixed cost of each small product (about 5 us), not the arithmetic, is most of
     what LoRA costs in a decode step: hence one shrink and one expand per segment there, and,
-    where the native library loads, every short float32/bf16 segment in one C call instead
-    (``cpu_lora_native.lora_short_segments``: the short path's arithmetic, blocks read in
-    place).
+    where the native library loads, every short float32/bf16 segment, and in float32 every
+    long one too, in one C call instead (``cpu_lora_native.lora_short_segments``: the short
+    path's arithmetic, blocks read in place).
 
     Args:
         x: ``[T, d_in]``, rows grouped by segment.
         y: ``[T, d_out_total]``, the fused projection's output, updated in place.
         segments: the segments of rank > 0; rows of no segment are not touched.
     """
-    # the short segments (decode rows) in one C call, where the native library loads
-    segments = lora_short_segments(x, y, segments, _SHORT_SEGMENT)
+    # the short segments (decode rows) in one C call, where the native library loads; in
+    # float32 the long ones (prefill) too
+    segments = lora_short_segments(x, y, segments,
+                                   _NATIVE_F32_SEGMENT if x.dtype == torch.float32
+                                   else _SHORT_SEGMENT)
     half = x.dtype != torch.float32
     native = half and x.dtype == torch.bfloat16 and _native_bf16()
     for seg in segments:
