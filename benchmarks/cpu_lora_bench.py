@@ -9,6 +9,10 @@ per call (``time.thread_time``), medians of ``--repeats`` rounds in which the tw
 alternate. ``python`` is the native path's Python side alone (the argument arrays, with the
 foreign call replaced by a no-op).
 
+With ``--prefill``: a prefill chunk instead (1536 rows in 17 segments of 31-200 rows), where in
+float32 the native kernel also takes the long segments (``cpu._NATIVE_F32_SEGMENT``) and in
+bf16 they run on oneDNN's bf16 GEMMs either way (only the short ones differ).
+
 Usage: ``OMP_NUM_THREADS=1 flock /work/wt/bench.lock python benchmarks/cpu_lora_bench.py``
 """
 
@@ -31,22 +35,25 @@ GROUPS = {  # fused projection -> (d_in, module widths)
     "down": (1536, (576,)),
 }
 SEGMENT_ROWS = (9, 4, 3, 2, 2) + (1,) * 12  # 32 rows, 17 segments
+# --prefill: a prefill step's chunk of 1536 rows in 17 segments (whole prompts of 31-200 tokens)
+PREFILL_ROWS = (200, 160, 130, 110, 100, 95, 90, 85, 80, 75, 70, 65, 60, 55, 50, 45, 31)
 RANKS = (8, 16)
 PAGE_ELEMS = 2 * 16 * 3 * 64  # a KV page of SmolLM2: 16 tokens x 3 KV heads x 64
 
 
-def build(group: str, layers: int, dtype: torch.dtype, seed: int = 0
+def build(group: str, layers: int, dtype: torch.dtype, seed: int = 0,
+          segment_rows: tuple[int, ...] = SEGMENT_ROWS
           ) -> tuple[torch.Tensor, torch.Tensor, list[list[cpu.SegmentBlocks]]]:
     gen = torch.Generator().manual_seed(seed)
     d_in, widths = GROUPS[group]
     names = [f"m{i}" for i in range(len(widths))]
     shapes = {n: (d_in, w) for n, w in zip(names, widths)}
     starts = [sum(widths[:i]) for i in range(len(widths))]
-    layouts = [adapter_layout(RANKS[a % 2], names, shapes) for a in range(len(SEGMENT_ROWS))]
+    layouts = [adapter_layout(RANKS[a % 2], names, shapes) for a in range(len(segment_rows))]
     num_pages = sum(lay.num_pages(PAGE_ELEMS) for lay in layouts)
     pool = torch.randn(layers, num_pages, PAGE_ELEMS, generator=gen).mul_(0.02).to(dtype)
     bounds = [0]
-    for n in SEGMENT_ROWS:
+    for n in segment_rows:
         bounds.append(bounds[-1] + n)
     per_layer, first = [], 0
     page_of = []
@@ -98,19 +105,23 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--iters", type=int, default=20, help="passes over the layers per round")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--prefill", action="store_true",
+                   help=f"a prefill chunk's segments ({sum(PREFILL_ROWS)} rows) instead of decode "
+                        "rows (float32: the native kernel takes them too; bf16: oneDNN's GEMMs)")
     args = p.parse_args()
+    rows = PREFILL_ROWS if args.prefill else SEGMENT_ROWS
     lib = native.library("lora")
     if lib is None:
         raise SystemExit("the native LoRA kernel does not load (LORAPLEX_NATIVE_KERNELS=0 or "
                          "no C compiler)")
-    print(f"threads {torch.get_num_threads()}, {len(SEGMENT_ROWS)} segments, "
-          f"{sum(SEGMENT_ROWS)} rows, ranks {RANKS}, {args.layers} layers; us CPU per call")
+    print(f"threads {torch.get_num_threads()}, {len(rows)} segments, "
+          f"{sum(rows)} rows, ranks {RANKS}, {args.layers} layers; us CPU per call")
     print("| group | dtype | torch | native | python | torch / native |")
     print("|---|---|---:|---:|---:|---:|")
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         for group in args.groups:
-            x, y, per_layer = build(group, args.layers, dtype)
+            x, y, per_layer = build(group, args.layers, dtype, segment_rows=rows)
 
             def run_all(x: torch.Tensor = x, y: torch.Tensor = y,
                         per_layer: list[list[cpu.SegmentBlocks]] = per_layer) -> None:

@@ -259,10 +259,10 @@ class SegmentBlocks(NamedTuple):
 # longer segments expand module by module, in fp32 (FLOPs dominate there).
 _SHORT_SEGMENT = 16
 # In float32 the native kernel takes segments of any length: with the output's rows prefetched
-# ahead of its read-modify-write it is 1.06-1.78x torch's shrink + addmm at prefill's 96-1536
-# rows a segment (one Zen 4 core, SmolLM2's projections; benchmarks/cpu_lora_bench.py
-# --prefill). In bf16 the long ones stay on oneDNN's bf16 GEMMs (the native kernel was
-# 0.83-1.5x there, and rounds h differently).
+# ahead of its read-modify-write it is 1.3-2.1x torch's shrink + addmm on a prefill chunk of 17
+# segments of 31-200 rows (`benchmarks/cpu_lora_bench.py --prefill`) and 1.06-1.78x on one
+# segment of 1536 rows (one Zen 4 core, SmolLM2's projections). In bf16 the long ones stay on
+# oneDNN's bf16 GEMMs (the native kernel was 0.83-1.5x there, and rounds h differently).
 _NATIVE_F32_SEGMENT = 1 << 62
 
 
