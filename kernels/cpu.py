@@ -12,6 +12,7 @@ reference's (one indexed store is already the fast way).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -32,8 +33,9 @@ def paged_attention(q: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetad
                     page_size: int, num_kv_heads: int, scale: float) -> torch.Tensor:
     """``reference.paged_attention`` (same semantics, arguments and result): decodes in one
     native call (``cpu_native.decode``) or, without it, batched in groups through torch ops;
-    prefill chunks in one native call (``cpu_native.prefill``; in bf16 only sequences of up
-    to ``_BF16_NATIVE_PREFILL_KEYS`` keys) or one sequence at a time through SDPA."""
+    prefill chunks in one native call (``cpu_native.prefill``; in bf16 on an AMX CPU only
+    sequences of up to ``_BF16_NATIVE_PREFILL_KEYS`` keys) or one sequence at a time through
+    SDPA."""
     pool = kv_view(kv_pool, page_size, num_kv_heads)
     out = torch.empty_like(q)
     starts = list(itertools.accumulate(meta.q_lens, initial=0))
@@ -42,8 +44,9 @@ def paged_attention(q: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetad
                                              page_size, num_kv_heads, scale):
         _decode(q, pool, meta, decode_rows, starts, out, scale)
     prefill_rows = [s for s, n in enumerate(meta.q_lens) if n > 1]
-    native_rows = prefill_rows if q.dtype != torch.bfloat16 else [
-        s for s in prefill_rows if meta.seq_lens_host[s] <= _BF16_NATIVE_PREFILL_KEYS]
+    limit = _bf16_native_prefill_keys() if q.dtype == torch.bfloat16 else None
+    native_rows = prefill_rows if limit is None else [
+        s for s in prefill_rows if meta.seq_lens_host[s] <= limit]
     if native_rows and cpu_native.prefill(q, kv_pool, meta, native_rows, starts, out,
                                           page_size, num_kv_heads, scale):
         done = set(native_rows)
@@ -55,10 +58,22 @@ def paged_attention(q: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetad
     return out
 
 
-# In bf16 the native prefill kernel (float32 tiles) is faster than SDPA up to about this many
-# keys a sequence; past it SDPA's bf16 kernel is (one thread, SmolLM2's heads: native 1.2x at
-# 64-128 keys, 0.69x at 192, 0.47x at 1024; benchmarks/decode_attention_bench.py --prefill).
+# In bf16 on a CPU with AMX the native prefill kernel (float32 tiles) is faster than SDPA up to
+# about this many keys a sequence; past it SDPA's bf16 kernel, on AMX tiles, is (one Sapphire
+# Rapids thread, SmolLM2's heads: native 1.2x at 64-128 keys, 0.69x at 192, 0.47x at 1024;
+# benchmarks/decode_attention_bench.py --prefill). Without AMX the native kernel is the faster
+# one at every length measured (one Zen 4 thread, AVX512-BF16: 1.88-2.15x at 120-500 keys,
+# 1.35-1.44x at 900-2000, whole prompts and 256-token chunks): no limit there.
 _BF16_NATIVE_PREFILL_KEYS = 128
+
+
+@functools.cache
+def _bf16_native_prefill_keys() -> int | None:
+    """The longest bf16 sequence the native prefill kernel takes (None: any), by AMX."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)  # torch >= 2.3
+    if amx is not None and not amx():
+        return None
+    return _BF16_NATIVE_PREFILL_KEYS
 
 
 def _gather_kv(pool: torch.Tensor, pages: torch.Tensor, length: int

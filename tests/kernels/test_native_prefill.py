@@ -96,10 +96,24 @@ def test_matches_reference(case: tuple[int, int, int], dtype: torch.dtype, decod
     assert (out[others] == 7.0).all()  # decode rows are not the kernel's to write
 
 
+@pytest.fixture
+def cpu_amx(monkeypatch, request):
+    """The CPU as having AMX tiles or not (``request.param``), for ``cpu``'s cached answer."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: request.param,
+                        raising=False)
+    cpu._bf16_native_prefill_keys.cache_clear()
+    yield request.param
+    cpu._bf16_native_prefill_keys.cache_clear()  # the real CPU's answer for later tests
+
+
+@pytest.mark.parametrize("cpu_amx", [True, False], indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_engine_routes_long_bf16_sequences_to_sdpa(dtype: torch.dtype, monkeypatch) -> None:
-    # float32: every prefill sequence native; bf16: those of up to _BF16_NATIVE_PREFILL_KEYS
-    # keys native, longer ones through SDPA (faster there in bf16), the same values either way
+def test_the_engine_routes_long_bf16_sequences_to_sdpa(dtype: torch.dtype, cpu_amx: bool,
+                                                       monkeypatch) -> None:
+    # float32: every prefill sequence native; bf16 on an AMX CPU: those of up to
+    # _BF16_NATIVE_PREFILL_KEYS keys native, longer ones through SDPA (faster there on AMX
+    # tiles); bf16 without AMX: every one native (faster at every length measured). The same
+    # values either way.
     _native_or_skip()
     limit = cpu._BF16_NATIVE_PREFILL_KEYS
     rng, gen = random.Random(9), torch.Generator().manual_seed(9)
@@ -114,7 +128,7 @@ def test_the_engine_routes_long_bf16_sequences_to_sdpa(dtype: torch.dtype, monke
         native_rows.extend(a[3]) or native_prefill(*a)))
     out = cpu.paged_attention(q, pool, meta, 16, 2, 0.125)
     expected = reference.paged_attention(q.float(), pool.float(), meta, 16, 2, 0.125)
-    if dtype == torch.float32:
+    if dtype == torch.float32 or not cpu_amx:
         assert native_rows == [0, 1, 2] and torch_rows == []
     else:
         assert native_rows == [0, 1] and torch_rows == [limit + 60]
