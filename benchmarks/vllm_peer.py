@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -132,7 +133,40 @@ class VllmPeer:
         self.proc.stdin.flush()
         out = self._read()
         tokens = {r.request_id: t for r, t in zip(requests, out["token_ids"])}
+        self.wait_idle()
         return EngineRun(tokens, out["wall_s"]), out["cpu_s"]
+
+    def tree_cpu_s(self) -> float:
+        """CPU seconds so far of every process in the driver's session (it and vLLM's engine
+        core and workers), from /proc; 0 where /proc is not Linux's."""
+        tick = os.sysconf("SC_CLK_TCK")
+        total = 0
+        for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat", encoding="ascii") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # gone meanwhile
+            if int(fields[3]) == self.proc.pid:  # session id (the driver leads its session)
+                total += int(fields[11]) + int(fields[12])  # utime + stime
+        return total / tick
+
+    def wait_idle(self, window_s: float = 0.5, busy: float = 0.05, limit_s: float = 20.0
+                  ) -> float:
+        """Return once the driver's processes use under ``busy`` of a core over ``window_s``
+        (or after ``limit_s``), so that the next system's timed run does not share the CPU with
+        vLLM finishing this one; seconds waited."""
+        start = time.monotonic()
+        before = self.tree_cpu_s()
+        while time.monotonic() - start < limit_s:
+            time.sleep(window_s)
+            now = self.tree_cpu_s()
+            if now - before < busy * window_s:
+                break
+            before = now
+        return time.monotonic() - start
 
     def warm_up(self, requests: Sequence[BaselineRequest],
                 adapters: Sequence[Path] | None = None) -> None:
