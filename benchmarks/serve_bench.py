@@ -45,8 +45,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from common import git_commit, machine_info  # noqa: E402
 from serve_report import checks, checks_table, print_table  # noqa: E402
 from stall_free import TARGETS, model_path, scrape  # noqa: E402
-from vllm_peer import peer_version  # noqa: E402
-from vllm_serve import VllmServer, cpu_delta, process_cpu_s  # noqa: E402
+from vllm_peer import peer_version, process_cpu_s  # noqa: E402
+from vllm_serve import VllmServer, cpu_delta  # noqa: E402
 
 from loraplex.loadtest.adapters import ensure_adapter_dirs  # noqa: E402,I001
 from loraplex.loadtest.local_server import LocalServer, free_port  # noqa: E402

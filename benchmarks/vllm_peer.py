@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+import psutil
 from common import EngineRun
 
 from loraplex.loadtest.baseline import BaselineRequest
@@ -81,6 +82,24 @@ def engine_kwargs(num_requests: int, max_len: int, max_num_batched_tokens: int,
                 max_model_len=-(-max_len // 32) * 32, threads=threads)
 
 
+def process_cpu_s(pid: int) -> dict[str, float]:
+    """User + system CPU seconds of ``pid`` and each live descendant, keyed ``name:pid`` (the
+    name is the process title vLLM sets: ``VLLM::EngineCore``, ...)."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return {}
+    out = {}
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            out[f"{p.name()}:{p.pid}"] = t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 class VllmPeer:
     """One vLLM engine in its own process: LoRA (``max_lora_rank > 0``) or base."""
 
@@ -136,33 +155,16 @@ class VllmPeer:
         self.wait_idle()
         return EngineRun(tokens, out["wall_s"]), out["cpu_s"]
 
-    def tree_cpu_s(self) -> float:
-        """CPU seconds so far of every process in the driver's session (it and vLLM's engine
-        core and workers), from /proc; 0 where /proc is not Linux's."""
-        tick = os.sysconf("SC_CLK_TCK")
-        total = 0
-        for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat", encoding="ascii") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue  # gone meanwhile
-            if int(fields[3]) == self.proc.pid:  # session id (the driver leads its session)
-                total += int(fields[11]) + int(fields[12])  # utime + stime
-        return total / tick
-
     def wait_idle(self, window_s: float = 0.5, busy: float = 0.05, limit_s: float = 20.0
                   ) -> float:
         """Return once the driver's processes use under ``busy`` of a core over ``window_s``
         (or after ``limit_s``), so that the next system's timed run does not share the CPU with
         vLLM finishing this one; seconds waited."""
         start = time.monotonic()
-        before = self.tree_cpu_s()
+        before = sum(process_cpu_s(self.proc.pid).values())
         while time.monotonic() - start < limit_s:
             time.sleep(window_s)
-            now = self.tree_cpu_s()
+            now = sum(process_cpu_s(self.proc.pid).values())
             if now - before < busy * window_s:
                 break
             before = now

@@ -6,8 +6,8 @@ with LoRA adapters named as the load tester's traces name them.
         log = OpenAITarget("vllm", server.base_url, base_model=server.model).run(trace, run)
 
 The server runs in its own session (``start_new_session``): stopping it takes its API server,
-engine core and worker processes with it. ``process_cpu_s`` reads the CPU seconds of every
-process of a tree (psutil), so a benchmark can say what each of vLLM's processes cost.
+engine core and worker processes with it. ``vllm_peer.process_cpu_s`` reads the CPU seconds of
+every process of a tree (psutil), so a benchmark can say what each of vLLM's processes cost.
 
 vLLM's CPU settings (docs/benchmarks.md, "Against vLLM"): ``VLLM_CPU_OMP_THREADS_BIND`` (the
 worker's OpenMP threads: ``0`` is one thread on core 0, ``nobind`` leaves ``OMP_NUM_THREADS``
@@ -28,7 +28,6 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import psutil
 from vllm_peer import peer_python
 
 from loraplex.loadtest.local_server import free_port
@@ -39,24 +38,6 @@ from loraplex.loadtest.local_server import free_port
 VLLM_CLI = ("import importlib.metadata as m, sys; v = m.version; "
             "m.version = lambda n: v('vllm-cpu') + '+cpu' if n == 'vllm' else v(n); "
             "from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; main()")
-
-
-def process_cpu_s(pid: int) -> dict[str, float]:
-    """User + system CPU seconds of ``pid`` and each live descendant, keyed ``name:pid`` (the
-    name is the process title vLLM sets: ``VLLM::EngineCore``, ...)."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return {}
-    out = {}
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            out[f"{p.name()}:{p.pid}"] = t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return out
 
 
 def cpu_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
