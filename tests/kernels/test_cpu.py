@@ -171,7 +171,8 @@ def test_fused_group_segments_equal_each_module(pattern: str, dtype: torch.dtype
                for w in widths]
     x = batches[0].x
     total = starts[-1] + widths[-1] + 5
-    y0 = torch.randn(x.shape[0], total, device=DEVICE).to(dtype)
+    gen = torch.Generator().manual_seed(1)  # not the global generator: the same y0 in any order
+    y0 = torch.randn(x.shape[0], total, generator=gen).to(device=DEVICE, dtype=dtype)
     expected = y0.clone()
     for batch, start, w in zip(batches, starts, widths):
         h = reference.lora_shrink(x, batch.pool, batch.page_table, batch.seg_indptr,
@@ -188,6 +189,10 @@ def test_fused_group_segments_equal_each_module(pattern: str, dtype: torch.dtype
     y = y0.clone()
     cpu.lora_segments(x, y, segments)
     rtol, atol = SEGMENT_TOLERANCE[dtype]
+    if dtype == torch.bfloat16:  # and y's own rounding: two bf16 ulps of the largest output
+        # (an element near a rounding boundary may land on either side: outputs reach 8-16,
+        # where one ulp is 0.0625; the fixed bound alone failed for 1 element in 4 draws of y0)
+        atol = max(atol, 2 * 2.0 ** -8 * expected.float().abs().max().item())
     torch.testing.assert_close(y.float(), expected.float(), rtol=rtol, atol=atol)
     assert not torch.equal(y, y0)
     for lo, hi in [(0, 30), (102, 110), (174, total)]:  # columns no module owns: untouched
