@@ -15,17 +15,12 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
-/* GCC/clang vector types: 16 floats (one AVX-512 register, two AVX2 ones); the head-size fast
- * paths (D = 64, 128) keep a query head and a running sum in registers as D / 16 of these. */
-typedef float v16f __attribute__((vector_size(64)));
-/* the same, at any address: loads and stores of these are one unaligned vector move (memcpy of
- * 64 bytes is expanded as two 32-byte moves, which then stall a 64-byte load from them) */
-typedef float v16f_u __attribute__((vector_size(64), aligned(4)));
-typedef uint32_t v16u_u __attribute__((vector_size(64), aligned(2)));
+/* GCC/clang vectors: v8f and v4f for horizontal sums; the kernels' own loops are written in
+ * vectors of the machine's width, VW (vector_width.h), below. 64-byte vectors on an AVX2 CPU
+ * are register pairs: GCC spilled arrays of them to the stack and moved them through general
+ * registers (decode_attention.c's running sums: 2-3.8x slower on a Zen 3 core). */
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
 
 INLINE float bf16_to_f32(uint16_t bits) {
     uint32_t u = (uint32_t)bits << 16;
@@ -42,25 +37,12 @@ INLINE uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-INLINE float hsum16(v16f v) {
-#if defined(__clang__) || __GNUC__ >= 12 /* __builtin_shufflevector */
-    v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
-            + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
-#else
-    float r = 0.0f;
-    for (int i = 0; i < 16; i++) r += v[i];
-    return r;
-#endif
-}
-
 /* exp(x) for x <= 0 (scores minus their maximum), a vector at a time: Cephes' expf, x = n ln2
  * + r with |r| <= ln2 / 2, a degree-6 polynomial for e^r, 2^n built in the exponent bits;
  * within 2 ulp of expf. Explicit vectors because glibc's expf is a scalar call in gcc's eyes.
  * Below -87 (e^-87 ~ 1.6e-38, nothing next to the largest term, 1) the result is 0, so -inf
  * gives 0 (padding lanes); NaN stays NaN (a NaN score must poison its row, as in the
- * reference). One body, two widths: exp16 (16 lanes) and expw (VW lanes, below). */
+ * reference). */
 #define DEFINE_EXP(NAME, VF, VI)                                                           \
     INLINE VF NAME(VF x) {                                                                 \
         const VI live = (x >= -87.0f) | (x != x); /* all ones where kept; NaN stays NaN */ \
@@ -78,24 +60,26 @@ INLINE float hsum16(v16f v) {
         const VI two_n = (__builtin_convertvector(n, VI) + 127) << 23;                     \
         return (VF)((VI)(p * (VF)two_n) & live);                                           \
     }
-DEFINE_EXP(exp16, v16f, v16i)
 
-/* Loops that keep many accumulators (prefill_attention.c's register-blocked tiles) are
- * written in vectors of the machine's width, VW (vector_width.h). */
+/* Vectors of the machine's width, VW floats (vector_width.h: 16 with AVX-512, 8 with AVX2). */
 typedef float vwf __attribute__((vector_size(4 * VW)));
 typedef float vwf_u __attribute__((vector_size(4 * VW), aligned(4)));
 typedef int32_t vwi __attribute__((vector_size(4 * VW)));
+typedef uint32_t vwu __attribute__((vector_size(4 * VW)));
+typedef uint32_t vwu_u __attribute__((vector_size(4 * VW), aligned(2)));
 
 INLINE vwf loadw(const float *p) { return *(const vwf_u *)p; }
 INLINE void storew(float *p, vwf v) { *(vwf_u *)p = v; }
 
-#if VW == 16
-INLINE float hsumw(vwf v) { return hsum16(v); }
-INLINE vwf expw(vwf x) { return exp16(x); }
-#else
 INLINE float hsumw(vwf v) {
 #if defined(__clang__) || __GNUC__ >= 12 /* __builtin_shufflevector */
-    v4f b = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+#if VW == 16
+    v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
+            + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    v8f a = v;
+#endif
+    v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
     return (b[0] + b[2]) + (b[1] + b[3]);
 #else
     float r = 0.0f;
@@ -103,7 +87,7 @@ INLINE float hsumw(vwf v) {
     return r;
 #endif
 }
+
 DEFINE_EXP(expw, vwf, vwi)
-#endif
 
 #endif /* LORAPLEX_ATTENTION_H */
