@@ -178,7 +178,8 @@ def gemm_throughput(dtype: torch.dtype, m: int = 1024, k: int = 1024, n: int = 5
                     repeats: int = 5) -> dict[str, float]:
     """FLOP/s of ``[m, k] @ [n, k]^T`` in ``dtype`` (the shape of a fused gate/up projection),
     through ``F.linear`` and, where they run, oneDNN on a prepacked weight and, in float32, the
-    AMX tile GEMM (loraplex's CPU paths);
+    native GEMM where the engine runs one (``cpu_gemm.backend()``: AMX tiles or FMA panels;
+    loraplex's CPU paths);
     ``best`` is the machine's figure for the roofline."""
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(m, k, generator=gen).to(dtype)
@@ -190,9 +191,11 @@ def gemm_throughput(dtype: torch.dtype, m: int = 1024, k: int = 1024, n: int = 5
         if onednn_linear_supported(dtype, torch.device("cpu")):
             packed = pack_linear(w)
             out["onednn_packed"] = flops / _best_time(lambda: linear(a, packed), repeats)
-        if dtype == torch.float32 and cpu_gemm.enabled():  # the engine's float32 path on AMX
+        kind = cpu_gemm.backend()
+        if dtype == torch.float32 and kind is not None:  # the engine's native float32 GEMM
             tiles = cpu_gemm.pack(w)
-            out["amx_tiles"] = flops / _best_time(lambda: cpu_gemm.linear(a, tiles), repeats)
+            out[f"{kind}_native"] = flops / _best_time(lambda: cpu_gemm.linear(a, tiles),
+                                                       repeats)
     out["best"] = max(out.values())
     return out
 

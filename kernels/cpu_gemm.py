@@ -1,16 +1,26 @@
-"""Float32 GEMMs on AMX tiles (``csrc/gemm_amx.c``), through ctypes.
+"""Float32 GEMMs on prepacked weights, in C through ctypes: on AMX tiles (``csrc/gemm_amx.c``)
+where the CPU has them, else on FMA vectors (``csrc/gemm_fma.c``).
 
-A float32 ``linear`` computed, from 15 rows up, as six bfloat16 tile products of the
+AMX: a float32 ``linear`` computed, from 15 rows up, as six bfloat16 tile products of the
 three-part split of each operand (the C file says why that keeps float32's accuracy), and
-under 15 rows as float32 FMAs on the same packed weights: on a CPU with AMX, faster than
-oneDNN's prepacked float32 GEMM at every row count measured (1.3-1.5x on 32 decode rows,
-1.2-1.6x on prefill chunks, at SmolLM2's shapes). ``pack(weight)`` rearranges a
-``[d_out, d_in]`` weight once into the kernel's panel order (still float32: 4 bytes an element,
-the weight's own size; the model drops the dense copy); ``linear(x, packed)`` runs it.
+under 15 rows as float32 FMAs on the same packed weights: faster than oneDNN's prepacked
+float32 GEMM at every row count measured (1.3-1.5x on 32 decode rows, 1.2-1.6x on prefill
+chunks, at SmolLM2's shapes).
 
-``enabled()`` says whether the path applies on this machine: the native library loaded
-(``kernels/native.py``), the CPU and the kernel allow AMX tiles, and ``LORAPLEX_AMX_GEMM`` is
-not ``0``. Callers keep their oneDNN/torch GEMM for the rest (other CPUs, half precision).
+FMA: plain float32 FMAs, 6 x 16 register tiles on AVX2 (12 x 32 with AVX-512), weights in
+16-column panels (32), depth chunks and row blocks sized for L2: on a Zen 3 core 1.1-1.3x
+oneDNN on 32 decode rows and 1.0-1.1x on prefill chunks at the benchmark Llama's and SmolLM2's
+shapes. ``LORAPLEX_FMA_GEMM=auto`` (the default) turns it on only where that was measured (x86
+with AVX2 and FMA, no AVX-512); ``1`` on any CPU without AMX (correct everywhere: the tests run
+it on every machine); ``0`` never.
+
+``pack(weight)`` rearranges a ``[d_out, d_in]`` weight once into the chosen kernel's panel
+order (still float32: 4 bytes an element, the weight's own size; the model drops the dense
+copy); ``linear(x, packed)`` runs it. ``backend()`` says which kernel serves this process
+(``"amx"``, ``"fma"`` or ``None``), ``enabled()`` whether one does: the native library
+loaded (``kernels/native.py``), the CPU allows it and its switch is not off
+(``LORAPLEX_AMX_GEMM``, ``LORAPLEX_FMA_GEMM``). Callers keep their oneDNN/torch GEMM for the
+rest (no backend, half precision).
 """
 
 from __future__ import annotations
@@ -26,12 +36,14 @@ from loraplex.server import env
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PackedWeight", "enabled", "linear", "pack"]
+__all__ = ["BACKENDS", "PackedWeight", "backend", "backends", "enabled", "linear", "pack"]
+
+BACKENDS = ("amx", "fma")
 
 _p, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
-def _library() -> ctypes.CDLL | None:
+def _amx_library() -> ctypes.CDLL | None:
     lib = native.library("gemm_amx")
     if lib is not None and not getattr(lib, "_loraplex_typed", False):
         lib.loraplex_amx_init.argtypes = []
@@ -49,11 +61,25 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-def enabled() -> bool:
-    """Whether ``pack``/``linear`` run here: library built, AMX usable, not switched off."""
-    if not env.amx_gemm():
-        return False
-    lib = _library()
+def _fma_library() -> ctypes.CDLL | None:
+    lib = native.library("gemm_fma")
+    if lib is not None and not getattr(lib, "_loraplex_typed", False):
+        lib.loraplex_fma_tuned.argtypes = []
+        lib.loraplex_fma_tuned.restype = _int
+        lib.loraplex_fma_panel_width.argtypes = []
+        lib.loraplex_fma_panel_width.restype = _int
+        lib.loraplex_fma_packed_elems.argtypes = [_i64, _i64]
+        lib.loraplex_fma_packed_elems.restype = _i64
+        lib.loraplex_fma_pack.argtypes = [_p, _i64, _i64, _i64, _p, _int]
+        lib.loraplex_fma_pack.restype = None
+        lib.loraplex_fma_linear.argtypes = [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _int]
+        lib.loraplex_fma_linear.restype = None
+        lib._loraplex_typed = True
+    return lib
+
+
+def _amx_usable() -> bool:
+    lib = _amx_library()
     if lib is None:
         return False
     ok = getattr(lib, "_loraplex_amx", None)
@@ -64,13 +90,48 @@ def enabled() -> bool:
     return bool(ok)
 
 
-class PackedWeight:
-    """A ``[d_out, d_in]`` float32 weight in the tile kernel's panel order (still float32)."""
+def backends() -> list[str]:
+    """The kernels that can run on this machine, whatever the switches: ``"amx"`` where the
+    CPU has AMX tiles, ``"fma"`` wherever the native library builds (the tests run both)."""
+    out = []
+    if _amx_usable():
+        out.append("amx")
+    if _fma_library() is not None:
+        out.append("fma")
+    return out
 
-    def __init__(self, data: torch.Tensor, d_out: int, d_in: int, lib: ctypes.CDLL) -> None:
-        self.data = data  # float32, loraplex_amx_packed_elems(d_out, d_in) elements
+
+def backend() -> str | None:
+    """The kernel this process's float32 projections run on: AMX where the CPU has it (and
+    ``LORAPLEX_AMX_GEMM`` is not ``0``), else the FMA kernel where ``LORAPLEX_FMA_GEMM``
+    allows it (``auto``: the CPUs it was measured faster on), else ``None`` (oneDNN)."""
+    if env.amx_gemm() and _amx_usable():
+        return "amx"
+    mode = env.fma_gemm()
+    if mode == "off":
+        return None
+    lib = _fma_library()
+    if lib is None:
+        return None
+    if mode == "on" or lib.loraplex_fma_tuned():
+        return "fma"
+    return None
+
+
+def enabled() -> bool:
+    """Whether ``pack``/``linear`` serve this process (``backend()`` is not ``None``)."""
+    return backend() is not None
+
+
+class PackedWeight:
+    """A ``[d_out, d_in]`` float32 weight in one kernel's panel order (still float32)."""
+
+    def __init__(self, data: torch.Tensor, d_out: int, d_in: int, kind: str,
+                 lib: ctypes.CDLL) -> None:
+        self.data = data  # float32, the kernel's packed_elems(d_out, d_in) elements
         self.d_out = d_out
         self.d_in = d_in
+        self.kind = kind  # "amx" or "fma"
         self.lib = lib  # the library that packed it runs it
 
     @property
@@ -78,27 +139,34 @@ class PackedWeight:
         return self.data.numel() * 4
 
 
-def pack(weight: torch.Tensor) -> PackedWeight:
-    """The kernel's panel-order copy of a CPU float32 ``[d_out, d_in]`` weight (any row
-    stride, unit column stride).
+def pack(weight: torch.Tensor, kind: str | None = None) -> PackedWeight:
+    """The panel-order copy of a CPU float32 ``[d_out, d_in]`` weight (any row stride, unit
+    column stride) for ``kind`` (``"amx"`` or ``"fma"``; default ``backend()``).
 
     Raises:
-        ValueError: the tile GEMM is not ``enabled()`` or the weight is not such a tensor.
+        ValueError: that kernel cannot run here, or the weight is not such a tensor.
     """
-    if not enabled():
-        raise ValueError("the AMX float32 GEMM is not available here")
+    kind = kind if kind is not None else backend()
+    if kind not in BACKENDS or kind not in backends():
+        raise ValueError(f"the {kind or 'native'} float32 GEMM is not available here")
     if (weight.dim() != 2 or weight.dtype != torch.float32 or not weight.is_cpu
             or weight.stride(1) != 1):
         raise ValueError("pack takes a CPU float32 [d_out, d_in] weight with unit column "
                          f"stride, got {weight.dtype} {tuple(weight.shape)} on {weight.device}")
-    lib = _library()
-    if lib is None:  # enabled() loaded it
-        raise ValueError("the AMX float32 GEMM is not available here")
     d_out, d_in = weight.shape
-    data = torch.empty(lib.loraplex_amx_packed_elems(d_out, d_in), dtype=torch.float32)
-    lib.loraplex_amx_pack(weight.data_ptr(), weight.stride(0), d_out, d_in, data.data_ptr(),
-                          torch.get_num_threads())
-    return PackedWeight(data, d_out, d_in, lib)
+    threads = torch.get_num_threads()
+    lib = _amx_library() if kind == "amx" else _fma_library()
+    if lib is None:  # backends() loaded it
+        raise ValueError(f"the {kind} float32 GEMM is not available here")
+    if kind == "amx":
+        data = torch.empty(lib.loraplex_amx_packed_elems(d_out, d_in), dtype=torch.float32)
+        lib.loraplex_amx_pack(weight.data_ptr(), weight.stride(0), d_out, d_in,
+                              data.data_ptr(), threads)
+    else:
+        data = torch.empty(lib.loraplex_fma_packed_elems(d_out, d_in), dtype=torch.float32)
+        lib.loraplex_fma_pack(weight.data_ptr(), weight.stride(0), d_out, d_in,
+                              data.data_ptr(), threads)
+    return PackedWeight(data, d_out, d_in, kind, lib)
 
 
 _scratch = threading.local()
@@ -134,9 +202,13 @@ def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -
     if rows == 0:
         return y
     threads = torch.get_num_threads()
+    bias_ptr = bias.data_ptr() if bias is not None else None
+    if w.kind == "fma":
+        lib.loraplex_fma_linear(x.data_ptr(), x.stride(0), w.data.data_ptr(), bias_ptr,
+                                y.data_ptr(), y.stride(0), rows, w.d_out, w.d_in, threads)
+        return y
     scratch = _scratch_for(lib.loraplex_amx_scratch_elems(rows, w.d_in, threads))
-    status = lib.loraplex_amx_linear(x.data_ptr(), x.stride(0), w.data.data_ptr(),
-                                     bias.data_ptr() if bias is not None else None,
+    status = lib.loraplex_amx_linear(x.data_ptr(), x.stride(0), w.data.data_ptr(), bias_ptr,
                                      y.data_ptr(), y.stride(0), rows, w.d_out, w.d_in,
                                      scratch.data_ptr(), threads)
     if status != 0:

@@ -30,6 +30,18 @@ def amx_gemm() -> bool:
         "0", "false", "no", "off")
 
 
+def fma_gemm() -> str:
+    """``LORAPLEX_FMA_GEMM``: ``auto`` (the default) runs float32 projections on the FMA GEMM
+    (``kernels/cpu_gemm``) on CPUs without AMX where it was measured faster than oneDNN (x86
+    with AVX2 and FMA but not AVX-512); ``1`` on any CPU without AMX; ``0`` never."""
+    value = os.environ.get("LORAPLEX_FMA_GEMM", "auto").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return "off"
+    if value in ("1", "true", "yes", "on"):
+        return "on"
+    return "auto"
+
+
 def get(name: str, default: str | None = None) -> str | None:
     """``LORAPLEX_<NAME>`` or ``default``: the environment half of a CLI flag."""
     return os.environ.get(f"LORAPLEX_{name.upper()}", default)

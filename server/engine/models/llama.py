@@ -93,7 +93,8 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
 
 
 class LayerTiles(NamedTuple):
-    """A layer's four projections in the AMX GEMM's panel order (``kernels/cpu_gemm.pack``)."""
+    """A layer's four projections in the native GEMM's panel order (``kernels/cpu_gemm.pack``:
+    AMX tiles or FMA vectors)."""
 
     qkv: cpu_gemm.PackedWeight
     o: cpu_gemm.PackedWeight
@@ -105,7 +106,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            tiles: cpu_gemm.PackedWeight | None = None) -> torch.Tensor:
     """``x @ weight^T + bias`` for a dense or a ``pack_linear`` weight, or, given ``tiles``
     (the same weight in ``cpu_gemm.pack``'s form; ``weight`` is then only its shape), on the
-    AMX GEMM."""
+    native GEMM (AMX or FMA)."""
     if tiles is not None:
         return cpu_gemm.linear(x if x.stride(-1) == 1 else x.contiguous(), tiles, bias)
     if weight.is_mkldnn:
@@ -154,9 +155,9 @@ class LlamaModel:
         self.rope = RotaryEmbedding(config, self.dtype, self.device)
         self.scale = config.head_dim ** -0.5
         self.act = ACTIVATIONS[config.hidden_act]
-        # float32 on an AMX CPU: every projection on the AMX GEMM (kernels/cpu_gemm), its
-        # weights rearranged once and the dense copies dropped (kept as "meta" tensors: their
-        # shapes, no memory); a tied lm_head stays the embedding
+        # float32 where cpu_gemm has a kernel (AMX tiles; FMA vectors on AVX2): every
+        # projection on it, its weights rearranged once and the dense copies dropped (kept as
+        # "meta" tensors: their shapes, no memory); a tied lm_head stays the embedding
         self.tiles: list[LayerTiles] | None = None
         self.lm_head_tiles: cpu_gemm.PackedWeight | None = None
         if self.dtype == torch.float32 and self.device.type == "cpu" and cpu_gemm.enabled():

@@ -1,14 +1,15 @@
-"""Float32 GEMMs on CPU: the AMX tile GEMM (``kernels/cpu_gemm``, six bf16 products of the
-split operands) against oneDNN's prepacked float32 GEMM (the engine's path without it) and
-``F.linear`` (MKL), at the engine's projection shapes, weights out of cache.
+"""Float32 GEMMs on CPU: loraplex's native GEMM (``kernels/cpu_gemm``: the AMX tile GEMM, six
+bf16 products of the split operands, or the FMA GEMM on prepacked panels; ``--kind``, default
+the one this machine's engine runs) against oneDNN's prepacked float32 GEMM (the engine's path
+without it) and ``F.linear`` (MKL), at the engine's projection shapes, weights out of cache.
 
 Each shape gets ``--layers`` weights of its own (as the engine's layers: a weight is not in
 cache when its turn comes); one timing is one pass over all of them; the three paths
 alternate pass by pass and the medians of ``--repeats`` passes are quoted, in CPU time per
 product. Prints a table and writes JSON (``--out``).
 
-    OMP_NUM_THREADS=1 flock /work/wt/bench.lock .venv/bin/python benchmarks/amx_gemm_bench.py \\
-        --model smollm2 --rows 1 16 32 64 128 512 2048 --out bench-out/amx-gemm.json
+    OMP_NUM_THREADS=1 flock /work/wt/bench.lock .venv/bin/python benchmarks/cpu_gemm_bench.py \\
+        --model smollm2 --rows 1 16 32 64 128 512 2048 --out bench-out/cpu-gemm.json
 """
 
 from __future__ import annotations
@@ -49,16 +50,20 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30,
                         help="weights per shape (lm_head: 2), cycled so none stays in cache")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--kind", choices=cpu_gemm.BACKENDS, default=None,
+                        help="the native GEMM to time (default: the one the engine runs here)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args()
-    if not cpu_gemm.enabled():
-        raise SystemExit("the AMX float32 GEMM is not available on this machine")
+    kind = args.kind or cpu_gemm.backend()
+    if kind is None or kind not in cpu_gemm.backends():
+        raise SystemExit(f"the {kind or 'native'} float32 GEMM is not available on this machine"
+                         " (LORAPLEX_FMA_GEMM=1 or --kind fma runs the FMA GEMM on any CPU)")
     if not onednn_linear_supported(torch.float32, torch.device("cpu")):
         raise SystemExit("oneDNN's prepacked GEMM is not available")
     threads = torch.get_num_threads()
     print(f"{args.model} shapes, float32, threads {threads}; CPU ms per product (median of "
-          f"{args.repeats} interleaved passes), GFLOP/s of the tile GEMM, ratios")
-    print(f"{'shape':>8} {'rows':>5} {'F.linear':>9} {'oneDNN':>8} {'AMX':>8} {'GF/s':>6} "
+          f"{args.repeats} interleaved passes), GFLOP/s of the {kind} GEMM, ratios")
+    print(f"{'shape':>8} {'rows':>5} {'F.linear':>9} {'oneDNN':>8} {kind.upper():>8} {'GF/s':>6} "
           f"{'vs oneDNN':>9} {'vs linear':>9}")
     results = []
     gen = torch.Generator().manual_seed(0)
@@ -67,11 +72,11 @@ def main() -> None:
             count = 2 if name == "lm_head" else args.layers
             dense = [torch.randn(d_out, d_in, generator=gen) * 0.05 for _ in range(count)]
             onednn = [pack_linear(w) for w in dense]
-            tiles = [cpu_gemm.pack(w) for w in dense]
+            tiles = [cpu_gemm.pack(w, kind) for w in dense]
             for rows in args.rows:
                 x = torch.randn(rows, d_in, generator=gen)
                 paths = {"linear": (F.linear, dense), "onednn": (linear, onednn),
-                         "amx": (cpu_gemm.linear, tiles)}
+                         "native": (cpu_gemm.linear, tiles)}
                 times: dict[str, list[float]] = {p: [] for p in paths}
                 for rep in range(args.repeats + 1):
                     order = list(paths) if rep % 2 else list(reversed(paths))
@@ -81,19 +86,19 @@ def main() -> None:
                         if rep:  # the first pass faults the buffers in
                             times[p].append(t)
                 med = {p: statistics.median(v) for p, v in times.items()}
-                gflops = 2 * rows * d_in * d_out / med["amx"] / 1e9
+                gflops = 2 * rows * d_in * d_out / med["native"] / 1e9
                 row = {"shape": name, "d_in": d_in, "d_out": d_out, "rows": rows,
-                       "ms": {p: med[p] * 1e3 for p in med}, "amx_gflops": gflops,
-                       "amx_vs_onednn": med["onednn"] / med["amx"],
-                       "amx_vs_linear": med["linear"] / med["amx"]}
+                       "ms": {p: med[p] * 1e3 for p in med}, "native_gflops": gflops,
+                       "native_vs_onednn": med["onednn"] / med["native"],
+                       "native_vs_linear": med["linear"] / med["native"]}
                 results.append(row)
                 print(f"{name:>8} {rows:>5} {med['linear'] * 1e3:9.3f} {med['onednn'] * 1e3:8.3f} "
-                      f"{med['amx'] * 1e3:8.3f} {gflops:6.0f} {row['amx_vs_onednn']:8.2f}x "
-                      f"{row['amx_vs_linear']:8.2f}x", flush=True)
+                      f"{med['native'] * 1e3:8.3f} {gflops:6.0f} {row['native_vs_onednn']:8.2f}x "
+                      f"{row['native_vs_linear']:8.2f}x", flush=True)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"machine": machine_info(threads), "model": args.model,
-                                        "results": results},
+                                        "kind": kind, "results": results},
                                        indent=2))
         print(f"wrote {args.out}")
 
