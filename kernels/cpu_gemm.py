@@ -66,8 +66,6 @@ def _fma_library() -> ctypes.CDLL | None:
     if lib is not None and not getattr(lib, "_loraplex_typed", False):
         lib.loraplex_fma_tuned.argtypes = []
         lib.loraplex_fma_tuned.restype = _int
-        lib.loraplex_fma_panel_width.argtypes = []
-        lib.loraplex_fma_panel_width.restype = _int
         lib.loraplex_fma_packed_elems.argtypes = [_i64, _i64]
         lib.loraplex_fma_packed_elems.restype = _i64
         lib.loraplex_fma_pack.argtypes = [_p, _i64, _i64, _i64, _p, _int]

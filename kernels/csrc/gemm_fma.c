@@ -10,14 +10,16 @@
  *
  * Layout, rearranged once (loraplex_fma_pack), still float32 (4 bytes an element, as the dense
  * weight): NR = 2 VW columns a panel (VW: the machine's vector, vector_width.h); the depth in
- * chunks of KC (at most KC_BYTES of a panel: a panel's chunk stays in L1 while every row group
- * runs over it; k split evenly, so the last chunk is not a sliver); chunk-major: chunk, then
+ * chunks of KC (at most KC_BYTES, 64 KiB, of a panel: the chunk stays in L2 while every row
+ * group runs over it; 16 KiB chunks, in L1, measured slower: y is reloaded once a chunk; k
+ * split evenly, so the last chunk is not a sliver); chunk-major: chunk, then
  * panel, then depth, then the panel's NR columns. Columns past n are zero; nothing pads k.
  *
  * The micro-kernel holds MR rows x NR columns in 2 MR accumulator vectors (6 x 16 on AVX2:
  * 12 of its 16 registers, two for the weights, one for x's broadcast; 12 x 32 with AVX-512's
  * 32 registers), reading x in place (one broadcast a row and depth) and the panel's two weight
- * vectors a depth. Loops: blocks of MC rows (their chunk of x, MC x KC floats, stays in L2),
+ * vectors a depth. Loops: blocks of up to MC rows, split evenly (a decode step's chunk of x,
+ * 32 x KC floats, stays in L2; a full block's does not, measured no slower than 120 rows),
  * then depth chunks, then panels over the OpenMP threads, then the block's row groups, their
  * rows spread evenly (32 rows on AVX2: 6,6,5,5,5,5, not 6,6,6,6,6,2). Chunks after the first
  * add to the partial sums in y; the last adds the bias.
@@ -59,9 +61,6 @@ static int64_t chunk_depth(int64_t k) {
     const int64_t chunks = (k + KC_MAX - 1) / KC_MAX;
     return chunks > 0 ? (k + chunks - 1) / chunks : 1;
 }
-
-/* columns a panel: the packed layout's unit (tests and the Python side read it) */
-int loraplex_fma_panel_width(void) { return NR; }
 
 /* 1 where this build was measured faster than oneDNN (x86 with AVX2 and FMA, no AVX-512:
    a Zen 3 core), so that LORAPLEX_FMA_GEMM=auto turns it on; elsewhere it is correct but
