@@ -36,8 +36,8 @@ test: install redis
 	$(PY) -m pytest -q -ra --durations=20 $(PYTEST_ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check server kernels adapter_store loadtest tests benchmarks
-	$(VENV)/bin/mypy server kernels adapter_store loadtest
+	$(VENV)/bin/ruff check server loraplex adapter_store loadtest tests benchmarks
+	$(VENV)/bin/mypy server loraplex adapter_store loadtest
 
 bench: install
 	$(PY) benchmarks/engine_bench.py --out bench-out

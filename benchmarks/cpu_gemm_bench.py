@@ -1,5 +1,5 @@
-"""Float32 GEMMs on CPU: loraplex's native GEMM (``kernels/cpu_gemm``: the AMX tile GEMM, six
-bf16 products of the split operands, or the FMA GEMM on prepacked panels; ``--kind``, default
+"""Float32 GEMMs on CPU: loraplex's native GEMM (``loraplex/kernels/cpu_gemm``: the AMX tile GEMM,
+six bf16 products of the split operands, or the FMA GEMM on prepacked panels; ``--kind``, default
 the one this machine's engine runs) against oneDNN's prepacked float32 GEMM (the engine's path
 without it) and ``F.linear`` (MKL), at the engine's projection shapes, weights out of cache.
 

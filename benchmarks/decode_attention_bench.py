@@ -1,8 +1,8 @@
-"""Decode attention on CPU: the native C kernel (``kernels/cpu_native.decode``) against the torch
-path (``kernels/cpu._decode``) at SmolLM2's shapes, interleaved, in CPU time; with
-``--prefill``, prefill attention (``kernels/cpu_native.prefill`` against SDPA per sequence,
-``kernels/cpu._prefill_one``): every sequence a whole prompt of ``--context`` tokens, or, with
-``--chunk N``, its last N tokens on top of the rest as a cached context.
+"""Decode attention on CPU: the native C kernel (``loraplex/kernels/cpu_native.decode``) against
+the torch path (``loraplex/kernels/cpu._decode``) at SmolLM2's shapes, interleaved, in CPU time;
+with ``--prefill``, prefill attention (``loraplex/kernels/cpu_native.prefill`` against SDPA per
+sequence, ``loraplex/kernels/cpu._prefill_one``): every sequence a whole prompt of ``--context``
+tokens, or, with ``--chunk N``, its last N tokens on top of the rest as a cached context.
 
 One "step" is ``--layers`` layers, each with its own pool (so, as in the engine, a layer's K/V
 are not left in cache by the previous one), every sequence decoding one token over a context

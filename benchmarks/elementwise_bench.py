@@ -1,5 +1,5 @@
-"""The fused native elementwise ops (kernels/cpu_elementwise.py) against the torch sequences
-they replace in the forward pass, at SmolLM2's shapes (hidden 576, intermediate 1536, 9/3
+"""The fused native elementwise ops (loraplex/kernels/cpu_elementwise.py) against the torch
+sequences they replace in the forward pass, at SmolLM2's shapes (hidden 576, intermediate 1536, 9/3
 heads x 64).
 
 Each pair runs interleaved in this process (torch, native, torch, native, ...), timed by the

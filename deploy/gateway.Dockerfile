@@ -19,7 +19,6 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY loraplex loraplex
 COPY server server
-COPY kernels kernels
 COPY adapter_store adapter_store
 COPY loadtest loadtest
 COPY proto proto

@@ -23,7 +23,7 @@ mkdir -p "$OUT/bench"
 cd "$(dirname "$0")/.."
 
 # Editable, as in development: the tests import the checkout's loraplex/ first, and the
-# editable finder maps loraplex.server, loraplex.kernels, ... onto server/, kernels/, ...
+# editable finder maps loraplex.server, loraplex.adapter_store, ... onto server/, adapter_store/, ...
 "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . \
     > "$OUT/install.log" 2>&1 || { echo "install failed: see install.log"; exit 1; }
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1

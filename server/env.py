@@ -25,15 +25,15 @@ def native_kernels() -> bool:
 
 def amx_gemm() -> bool:
     """``LORAPLEX_AMX_GEMM``: ``0`` keeps float32 projections on oneDNN's GEMM instead of the
-    AMX tile GEMM (``kernels/cpu_gemm``)."""
+    AMX tile GEMM (``loraplex/kernels/cpu_gemm``)."""
     return os.environ.get("LORAPLEX_AMX_GEMM", "1").strip().lower() not in (
         "0", "false", "no", "off")
 
 
 def fma_gemm() -> str:
     """``LORAPLEX_FMA_GEMM``: ``auto`` (the default) runs float32 projections on the FMA GEMM
-    (``kernels/cpu_gemm``) on CPUs without AMX where it was measured faster than oneDNN (x86
-    with AVX2 and FMA but not AVX-512); ``1`` on any CPU without AMX; ``0`` never."""
+    (``loraplex/kernels/cpu_gemm``) on CPUs without AMX where it was measured faster than oneDNN
+    (x86 with AVX2 and FMA but not AVX-512); ``1`` on any CPU without AMX; ``0`` never."""
     value = os.environ.get("LORAPLEX_FMA_GEMM", "auto").strip().lower()
     if value in ("0", "false", "no", "off"):
         return "off"

@@ -5,8 +5,8 @@ A request's adapter goes through three places:
 
 1. the **source** (the adapter store, or a local directory): ``fetch(digest)`` on a loader
    thread, never on the engine loop;
-2. the **host cache**: the adapter flattened into its page layout (``kernels/layout.py``), in
-   the model dtype, ready to copy (pinned memory on CUDA);
+2. the **host cache**: the adapter flattened into its page layout
+   (``loraplex/kernels/layout.py``), in the model dtype, ready to copy (pinned memory on CUDA);
 3. the **pool**: an entry of the pager (kind ADAPTER, keyed by digest), pinned while any
    running request uses it and evicted LRU once none does.
 

@@ -1,7 +1,7 @@
 """CPU threads: one OpenMP team per process, on the thread that steps the engine.
 
-torch's CPU ops and the native kernels (``kernels/csrc``, built with ``-fopenmp`` against the
-same runtime) run their parallel loops on OpenMP. GNU OpenMP, the runtime of torch's Linux
+torch's CPU ops and the native kernels (``loraplex/kernels/csrc``, built with ``-fopenmp`` against
+the same runtime) run their parallel loops on OpenMP. GNU OpenMP, the runtime of torch's Linux
 wheels, gives every thread that opens a parallel region a team of its own, and the team's
 threads live as long as that thread does. Once a process holds more OpenMP threads than it has
 CPUs, the runtime stops spinning between regions and at barriers (at most 1,000 spins, where it

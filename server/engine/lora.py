@@ -10,7 +10,7 @@ Two ways to run it, same arithmetic:
   segments and ranks, with the segment arrays of design.md §3's op signature (a segment whose
   adapter does not target the module gets rank 0 there); the kernels read the adapters'
   pages through the page table.
-* The CPU path: ``kernels/cpu.lora_segments``, segment by segment, with each resident
+* The CPU path: ``loraplex/kernels/cpu.lora_segments``, segment by segment, with each resident
   adapter's blocks resolved once (views of its pages, cached on the ``ResidentAdapter`` until
   it is evicted). On CPU a decode step's LoRA cost is the fixed cost of many small torch
   operations, so the fewer per segment the better: one shrink over the modules' concatenated
@@ -19,7 +19,7 @@ Two ways to run it, same arithmetic:
   short segments run in float32 (copies of the blocks: oneDNN's bf16 GEMM is slow at rank
   8-16 and few rows) and long ones as bf16 GEMMs (``lora_segments``). Where the native
   kernels load, all short segments of a projection are instead one C call on the blocks in
-  place (``kernels/cpu_lora_native.py``), on this hook's one thread.
+  place (``loraplex/kernels/cpu_lora_native.py``), on this hook's one thread.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class ModuleSegments:
 
 @dataclass(frozen=True)
 class LoraOps:
-    """``shrink`` and ``expand`` with the signatures of ``kernels/reference.py``.
+    """``shrink`` and ``expand`` with the signatures of ``loraplex/kernels/reference.py``.
 
     ``segment_major``: run ``cpu.lora_segments`` on resolved blocks instead (CPU).
     """

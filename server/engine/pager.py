@@ -1,7 +1,7 @@
 """The unified page pool: one budget for KV blocks, adapter weights and cached prefixes.
 
 The pager counts pages and records who owns each; it never looks inside one (the layout is
-``kernels/layout.py``'s business). Two kinds of holder:
+``loraplex/kernels/layout.py``'s business). Two kinds of holder:
 
 * a request's KV pages, allocated and freed by the scheduler (refcounted, so a page can be
   shared by several requests: the n sequences of one prompt hold its pages once, and the one

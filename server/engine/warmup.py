@@ -1,9 +1,9 @@
 """Kernel warm-up: compile every Triton kernel variant the worker can launch before it reports
 ready, so that no kernel compiles inside a serving step.
 
-The variants form a finite set fixed by the config (``kernels/variants.py``: batch-dependent
-compile-time constants come from the buckets of ``kernels/buckets.py``). Warm-up visits all of
-it, in three parts:
+The variants form a finite set fixed by the config (``loraplex/kernels/variants.py``:
+batch-dependent compile-time constants come from the buckets of ``loraplex/kernels/buckets.py``).
+Warm-up visits all of it, in three parts:
 
 1. two model steps over dummy sequences (a mixed one: a prefill chunk and a decode, each with
    and without a LoRA segment; then a decode-only one). They compile ``write_kv``, decode and

@@ -1,5 +1,6 @@
 """Which binaries Triton would compile: each launch's compile key, recorded around the ``run``
-of every kernel of ``kernels/`` (natively and under the interpreter, which compiles nothing).
+of every kernel of ``loraplex/kernels/`` (natively and under the interpreter, which compiles
+nothing).
 
 The key is what Triton's ``JITFunction.run`` looks its cache up with: the kernel, its
 compile-time arguments (``num_warps`` included) and, for every other argument, its type and
@@ -68,6 +69,6 @@ def record_compile_keys(monkeypatch: pytest.MonkeyPatch) -> list[Variant]:
 
 
 def constexpr_part(keys: list[Variant] | frozenset[Variant]) -> set[Variant]:
-    """The keys without their argument specialisation (what ``kernels/variants.py`` names by
-    kernel and compile-time arguments)."""
+    """The keys without their argument specialisation (what ``loraplex/kernels/variants.py`` names
+    by kernel and compile-time arguments)."""
     return {variant(k.kernel, dict(k.constexprs)) for k in keys}

@@ -167,7 +167,7 @@ def h200_launches() -> list[tuple[str, tuple[Any, tuple, dict]]]:
 def variant_launches(dtype: torch.dtype = torch.bfloat16, max_rank: int = 64
                      ) -> list[tuple[str, tuple[Any, tuple, dict]]]:
     """(case, launch) for every kernel variant a 7B Llama worker warms up
-    (``kernels/variants.py``), laid out as warm-up launches them."""
+    (``loraplex/kernels/variants.py``), laid out as warm-up launches them."""
     from loraplex.kernels.variants import attention_variants, lora_variants
     from loraplex.server.engine.models.config import ModelConfig
     from loraplex.server.engine.warmup import module_geometry

@@ -1,5 +1,5 @@
-"""The engine's CPU kernels (``kernels/cpu.py``) against the plain references, as the Triton
-kernels are: paged attention on random steps (decodes in groups of several lengths, prefill
+"""The engine's CPU kernels (``loraplex/kernels/cpu.py``) against the plain references, as the
+Triton kernels are: paged attention on random steps (decodes in groups of several lengths, prefill
 chunks, GQA, stale NaN in every slot no sequence owns, page tables padded with page 0) and
 LoRA on mixed-rank batches (ranks 1-64 and base rows, blocks crossing pages)."""
 

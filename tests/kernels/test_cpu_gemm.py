@@ -1,6 +1,6 @@
-"""The native float32 GEMMs (``kernels/csrc/gemm_amx.c`` where the CPU has AMX,
-``kernels/csrc/gemm_fma.c`` everywhere, through ``kernels/cpu_gemm``) against a float64
-reference: every row, column and depth tail of their tiles and panels, depths over their
+"""The native float32 GEMMs (``loraplex/kernels/csrc/gemm_amx.c`` where the CPU has AMX,
+``loraplex/kernels/csrc/gemm_fma.c`` everywhere, through ``loraplex/kernels/cpu_gemm``) against a
+float64 reference: every row, column and depth tail of their tiles and panels, depths over their
 chunks, row counts over their row blocks, the AMX kernel's few-row FMA path and its edge, bias,
 strided rows, one and two threads, non-finite inputs; the error stays within float32's
 forward-error bound and beside torch's own float32 GEMM. And the model: fp32 weights are

@@ -1,4 +1,5 @@
-"""The native CPU kernels' build and load path (kernels/native.py): real compiler, real files."""
+"""The native CPU kernels' build and load path (loraplex/kernels/native.py): real compiler, real
+files."""
 
 from __future__ import annotations
 

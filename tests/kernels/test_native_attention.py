@@ -1,6 +1,6 @@
-"""The native decode attention (``kernels/csrc/decode_attention.c`` through
-``kernels/cpu_native.py``) against the plain reference: random steps with mixed lengths, GQA,
-head sizes on and off the fast paths, two page sizes, stale NaN in every slot no sequence owns,
+"""The native decode attention (``loraplex/kernels/csrc/decode_attention.c`` through
+``loraplex/kernels/cpu_native.py``) against the plain reference: random steps with mixed lengths,
+GQA, head sizes on and off the fast paths, two page sizes, stale NaN in every slot no sequence owns,
 prefill rows in the same step, one and two threads; and the torch path it falls back to."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The fused C elementwise ops (kernels/cpu_elementwise.py) against the torch code they replace.
+"""The fused C elementwise ops (loraplex/kernels/cpu_elementwise.py) against the torch code they
+replace.
 
 Tolerances: on an x86 CPU where torch dispatches to AVX2 or AVX512 kernels the ops reproduce
 torch's roundings exactly (the RMSNorm sum of squares in torch's cascade order, Sleef's exp in

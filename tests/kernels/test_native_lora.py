@@ -1,6 +1,6 @@
-"""The native short-segment LoRA kernel (``kernels/csrc/lora.c`` through
-``kernels/cpu_lora_native.py``, called by ``cpu.lora_segments``) against a float64 oracle and
-the torch path: fused groups of 1-3 modules read in place from a paged pool (blocks that cross
+"""The native short-segment LoRA kernel (``loraplex/kernels/csrc/lora.c`` through
+``loraplex/kernels/cpu_lora_native.py``, called by ``cpu.lora_segments``) against a float64 oracle
+and the torch path: fused groups of 1-3 modules read in place from a paged pool (blocks that cross
 pages are copies, the rest views), adapters that target only some modules, mixed and odd ranks,
 Punica's popularity patterns, segments of 1 to 16 rows beside long ones in one call, float32
 and bfloat16, one and two threads."""

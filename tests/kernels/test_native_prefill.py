@@ -1,6 +1,6 @@
-"""The native prefill attention (``kernels/csrc/prefill_attention.c`` through
-``kernels/cpu_native.prefill``) against the plain reference: whole prompts and chunks on top of
-a cached context, query counts across the kernel's 64-query blocks and its 4-row tiles, GQA,
+"""The native prefill attention (``loraplex/kernels/csrc/prefill_attention.c`` through
+``loraplex/kernels/cpu_native.prefill``) against the plain reference: whole prompts and chunks on
+top of a cached context, query counts across the kernel's 64-query blocks and its 4-row tiles, GQA,
 head sizes on the fast paths (64, 128) and the generic one (80, 16), two page sizes, stale NaN
 and inf in every slot no sequence owns, decode rows in the same step, one and two threads; and
 where it does not apply (the torch path runs, with the same values; with native kernels off:

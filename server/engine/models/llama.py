@@ -93,8 +93,8 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
 
 
 class LayerTiles(NamedTuple):
-    """A layer's four projections in the native GEMM's panel order (``kernels/cpu_gemm.pack``:
-    AMX tiles or FMA vectors)."""
+    """A layer's four projections in the native GEMM's panel order
+    (``loraplex/kernels/cpu_gemm.pack``: AMX tiles or FMA vectors)."""
 
     qkv: cpu_gemm.PackedWeight
     o: cpu_gemm.PackedWeight
@@ -124,7 +124,8 @@ def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm ``weight * dtype(h * rsqrt(mean(h^2) + eps))``, ``h = float32(x)``:
     ``x [T, n]``, ``weight [n]`` -> ``[T, n]`` in x's dtype. The fused C kernel on contiguous
-    CPU float32/bf16 tensors (kernels/cpu_elementwise.py, the same roundings), else torch."""
+    CPU float32/bf16 tensors (loraplex/kernels/cpu_elementwise.py, the same roundings), else
+    torch."""
     if cpu_elementwise.usable(x, weight):
         return cpu_elementwise.rms_norm(x, weight, eps)
     return _rms_norm_torch(x, weight, eps)

@@ -56,8 +56,8 @@ class RotaryEmbedding:
         rotated: ``q [T, num_heads, head_dim]``, ``k [T, num_kv_heads, head_dim]`` (new tensors,
         ``qkv`` unchanged); ``cos``/``sin [T, head_dim]`` from ``cos_sin``.
 
-        One native call for both (``kernels/cpu_elementwise.rope_qk``, the same roundings as
-        ``apply``) on contiguous CPU float32/bf16 tensors; ``apply`` on each otherwise.
+        One native call for both (``loraplex/kernels/cpu_elementwise.rope_qk``, the same roundings
+        as ``apply``) on contiguous CPU float32/bf16 tensors; ``apply`` on each otherwise.
         """
         if cpu_elementwise.usable(qkv, cos, sin):
             return cpu_elementwise.rope_qk(qkv, cos, sin, num_heads, num_kv_heads, head_dim)

@@ -20,7 +20,7 @@ Megatron's layout for the base model, S-LoRA's for the adapters:
 
 Each rank therefore runs the unchanged model on a **shard config** (``shard_config``): fewer
 heads, fewer KV heads, a smaller intermediate size; page and adapter layouts
-(``kernels/layout.py``) are computed on the shard config's shapes, the same on every rank.
+(``loraplex/kernels/layout.py``) are computed on the shard config's shapes, the same on every rank.
 """
 
 from __future__ import annotations

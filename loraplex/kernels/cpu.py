@@ -1,6 +1,6 @@
-"""The engine's CPU kernels (``--kernels torch``): the same ops as ``kernels/reference.py``,
-arranged for speed on a CPU, and tested against it as the Triton kernels are
-(``tests/kernels/test_cpu.py``).
+"""The engine's CPU kernels (``--kernels torch``): the same ops as
+``loraplex/kernels/reference.py``, arranged for speed on a CPU, and tested against it as the Triton
+kernels are (``tests/kernels/test_cpu.py``).
 
 What makes them fast, and so less plain than the oracle: decode attention gathers K head-major
 once per group of sequences and reads V in place through ``embedding_bag``, with its gather

@@ -2,7 +2,7 @@
  * with AVX-512, else 8, AVX2's 256 bits). A 64-byte vector on an AVX2 machine is lowered to a
  * pair of registers: loops that keep many accumulators then spill, and gcc's register
  * allocation of prefill_attention.c's tiles took minutes. Included by attention.h and lora.c
- * (kernels/native.py hashes every header into each build's cache key). */
+ * (loraplex/kernels/native.py hashes every header into each build's cache key). */
 #ifndef LORAPLEX_VECTOR_WIDTH_H
 #define LORAPLEX_VECTOR_WIDTH_H
 

@@ -1,6 +1,6 @@
 /* What the two attention kernels (decode_attention.c, prefill_attention.c) share: vector
  * types, bf16 <-> float32 as torch rounds, a horizontal sum, and a vectorised exp. Included
- * by both (kernels/native.py hashes this header into every build's cache key). */
+ * by both (loraplex/kernels/native.py hashes this header into every build's cache key). */
 #ifndef LORAPLEX_ATTENTION_H
 #define LORAPLEX_ATTENTION_H
 

@@ -1,6 +1,7 @@
-"""The CPU backend's native attention: ``kernels/csrc/decode_attention.c`` and
-``kernels/csrc/prefill_attention.c`` called through ``ctypes`` (``kernels/native.py``), one
-call per layer for every decode sequence and one for every prefill sequence of a step.
+"""The CPU backend's native attention: ``loraplex/kernels/csrc/decode_attention.c`` and
+``loraplex/kernels/csrc/prefill_attention.c`` called through ``ctypes``
+(``loraplex/kernels/native.py``), one call per layer for every decode sequence and one for every
+prefill sequence of a step.
 
 Why native: decode attention reads every cached token's K and V once per layer for one query,
 so it is bound by memory traffic and per-call overhead, not FLOPs. The torch path

@@ -7,7 +7,7 @@ roundings (llama.py's HF ``rms_norm``, ``F.silu(gate) * up``, rope.py's rotation
 torch thread on an AVX2/AVX512 CPU the results are bit-identical to it (the C file says how).
 
 ``usable(*tensors)`` says whether the native path applies: the library loaded
-(``kernels/native.py``: not ``LORAPLEX_NATIVE_KERNELS=0``, a C compiler, a good build) and
+(``loraplex/kernels/native.py``: not ``LORAPLEX_NATIVE_KERNELS=0``, a C compiler, a good build) and
 every tensor a contiguous CPU tensor of one dtype, float32 or bfloat16. Callers keep their
 torch code for the rest (CUDA, float16, views with odd strides). The ops raise ``ValueError``
 on a tensor ``usable`` refuses.
@@ -33,14 +33,13 @@ _p, _i64, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c
 
 def _library() -> ctypes.CDLL | None:
     lib = native.library("elementwise")
-    if lib is not None and not getattr(lib, "_loraplex_typed", False):
+    if lib is not None and lib.loraplex_rope_qk.argtypes is None:  # first use of this load
         lib.loraplex_add_rms_norm.argtypes = [_int, _p, _p, _p, _p, _i64, _i64, _float, _i64, _int]
         lib.loraplex_silu_and_mul.argtypes = [_int, _p, _p, _i64, _i64, _i64, _int]
         lib.loraplex_rope_qk.argtypes = [_int, _p, _i64, _p, _p, _p, _p, _i64, _i64, _i64, _i64,
                                          _int]
         for fn in (lib.loraplex_add_rms_norm, lib.loraplex_silu_and_mul, lib.loraplex_rope_qk):
             fn.restype = None
-        lib._loraplex_typed = True
     return lib
 
 

@@ -1,5 +1,5 @@
-"""What every Triton launcher in ``kernels/`` shares: the checks it runs before a launch (each
-raises ``ValueError``), the launch record that lets a test compile exactly what would run, and
+"""What every Triton launcher in ``loraplex/kernels/`` shares: the checks it runs before a launch
+(each raises ``ValueError``), the launch record that lets a test compile exactly what would run, and
 the device facts that size grids.
 
 No kernels live here, so importing this module does not depend on ``TRITON_INTERPRET``.

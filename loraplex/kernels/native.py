@@ -1,5 +1,5 @@
-"""Native CPU kernels: C sources in ``kernels/csrc/``, compiled on first use with the system's
-C compiler and loaded through ``ctypes``.
+"""Native CPU kernels: C sources in ``loraplex/kernels/csrc/``, compiled on first use with the
+system's C compiler and loaded through ``ctypes``.
 
 Why C and not torch ops: on a CPU the engine's non-GEMM work (decode attention over paged KV,
 LoRA's many tiny products, the elementwise glue) is a sequence of small torch calls, each a
@@ -110,7 +110,7 @@ def library(name: str) -> ctypes.CDLL | None:
     """The compiled ``csrc/<name>.c``, or ``None`` when native kernels are unavailable.
 
     Args:
-        name: a source file's stem under ``kernels/csrc/``.
+        name: a source file's stem under ``loraplex/kernels/csrc/``.
 
     Returns:
         The loaded library (built on the first call in any process on this machine), or

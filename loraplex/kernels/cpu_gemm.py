@@ -18,7 +18,7 @@ it on every machine); ``0`` never.
 order (still float32: 4 bytes an element, the weight's own size; the model drops the dense
 copy); ``linear(x, packed)`` runs it. ``backend()`` says which kernel serves this process
 (``"amx"``, ``"fma"`` or ``None``), ``enabled()`` whether one does: the native library
-loaded (``kernels/native.py``), the CPU allows it and its switch is not off
+loaded (``loraplex/kernels/native.py``), the CPU allows it and its switch is not off
 (``LORAPLEX_AMX_GEMM``, ``LORAPLEX_FMA_GEMM``). Callers keep their oneDNN/torch GEMM for the
 rest (no backend, half precision).
 """
@@ -45,7 +45,7 @@ _p, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 def _amx_library() -> ctypes.CDLL | None:
     lib = native.library("gemm_amx")
-    if lib is not None and not getattr(lib, "_loraplex_typed", False):
+    if lib is not None and lib.loraplex_amx_linear.argtypes is None:  # first use of this load
         lib.loraplex_amx_init.argtypes = []
         lib.loraplex_amx_init.restype = _int
         lib.loraplex_amx_packed_elems.argtypes = [_i64, _i64]
@@ -57,13 +57,12 @@ def _amx_library() -> ctypes.CDLL | None:
         lib.loraplex_amx_linear.argtypes = [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _p,
                                             _int]
         lib.loraplex_amx_linear.restype = _int
-        lib._loraplex_typed = True
     return lib
 
 
 def _fma_library() -> ctypes.CDLL | None:
     lib = native.library("gemm_fma")
-    if lib is not None and not getattr(lib, "_loraplex_typed", False):
+    if lib is not None and lib.loraplex_fma_linear.argtypes is None:  # first use of this load
         lib.loraplex_fma_tuned.argtypes = []
         lib.loraplex_fma_tuned.restype = _int
         lib.loraplex_fma_packed_elems.argtypes = [_i64, _i64]
@@ -72,7 +71,6 @@ def _fma_library() -> ctypes.CDLL | None:
         lib.loraplex_fma_pack.restype = None
         lib.loraplex_fma_linear.argtypes = [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _int]
         lib.loraplex_fma_linear.restype = None
-        lib._loraplex_typed = True
     return lib
 
 

@@ -13,7 +13,7 @@ binaries in the middle of serving, each taking a second or more of a step. So:
   split counts) are declared ``do_not_specialize`` on the kernels, so their value never picks
   a binary.
 
-``kernels/variants.py`` enumerates the product for one worker's config, and the engine's
+``loraplex/kernels/variants.py`` enumerates the product for one worker's config, and the engine's
 warm-up compiles every member of it before the worker reports ready.
 
 Every compile-time argument and where its value comes from (B: batch, from a bucket here;

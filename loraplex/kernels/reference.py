@@ -1,6 +1,6 @@
 """Plain-torch versions of every kernel: the oracle that the Triton kernels and the tuned CPU
-path (``kernels/cpu.py``) are tested against. Signatures match the Triton launchers one to one;
-each op is the math of its docstring, written to be read, not to be fast."""
+path (``loraplex/kernels/cpu.py``) are tested against. Signatures match the Triton launchers one to
+one; each op is the math of its docstring, written to be read, not to be fast."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@
  *     s[p]      = scale * dot(q[r, j], K[t, p, h])        for p < L
  *     out[r, j] = sum_p softmax(s)[p] * V[t, p, h]
  * where K[t, p, h] is pool[page, 0, p % P, h] with page = page_table[t, p / P] (V likewise at
- * index 1): the pool seen as [num_pages, 2, P, Hkv, D] (kernels/reference.py kv_view).
+ * index 1): the pool seen as [num_pages, 2, P, Hkv, D] (loraplex/kernels/reference.py kv_view).
  * Positions at or past L are never read: a stale slot may hold NaN or inf, and a weight of 0
  * would not hide it (0 * NaN is NaN).
  *

@@ -9,7 +9,7 @@
  *     s[p]            = scale * dot(q[q_starts[i] + a, j], K[t, p, h])   for p <= L - n + a
  *     out[.. + a, j]  = sum_p softmax(s)[p] * V[t, p, h]
  * with K[t, p, h] = pool[page, 0, p % P, h] and page = page_table[t, p / P] (V at index 1):
- * the pool seen as [num_pages, 2, P, Hkv, D] (kernels/reference.py kv_view). Positions past a
+ * the pool seen as [num_pages, 2, P, Hkv, D] (loraplex/kernels/reference.py kv_view). Positions past a
  * query's own are never read into its sum, and positions at or past L are never read at all
  * (a stale slot may hold NaN or inf).
  *
