@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from loraplex.kernels import cpu_gemm, native
 from loraplex.server.engine.models import llama
+from tests.kernels.cross_build import cross_build
 
 KINDS = cpu_gemm.backends()
 pytestmark = pytest.mark.skipif(not KINDS, reason="needs the native library (a C compiler)")
@@ -287,21 +288,11 @@ def test_fma_kernel_builds_with_its_tile_in_registers(tmp_path, march: str, fmas
     kept the two-level sums' totals in registers across that loop: too few were left for the
     accumulators, three moved every depth, 0.8x on a Zen 3 core."""
     import re
-    import subprocess
-    from pathlib import Path
     cc = native._compiler()
     if cc is None:
         pytest.skip("needs a C compiler")
-    source = Path(native.__file__).with_name("csrc") / "gemm_fma.c"
-    flags = [f if f != "-march=native" else f"-march={march}" for f in native._FLAGS
-             if f != "-shared"]
     asm = tmp_path / "gemm_fma.s"
-    proc = subprocess.run([cc, *flags, "-S", str(source), "-o", str(asm)], capture_output=True,
-                          text=True)
-    if proc.returncode != 0 and "march" in proc.stderr:
-        pytest.skip(f"this compiler does not know -march={march}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "warning" not in proc.stderr, proc.stderr[-2000:]
+    cross_build(cc, "gemm_fma", march, asm, assembly=True)
     parts = re.split(r"^(\.L\d+):\n", asm.read_text(), flags=re.M)
     bodies = dict(zip(parts[1::2], parts[2::2]))
     order = parts[1::2]

@@ -14,6 +14,7 @@ import torch
 from loraplex.kernels import cpu, cpu_native, native, reference
 from loraplex.kernels.layout import kv_page_elems
 from loraplex.kernels.metadata import AttentionMetadata
+from tests.kernels.cross_build import cross_build
 from tests.kernels.test_cpu import ATTENTION_TOLERANCE, paged_step
 
 # Per dtype (rtol, atol, why), against the reference in float32 on the same stored values.
@@ -183,19 +184,11 @@ def test_builds_in_the_machines_vector_width(tmp_path, kernel: str, march: str) 
     the Zen 3 build, 2-3.8x slower than with 8-lane vectors)."""
     import shutil
     import subprocess
-    from pathlib import Path
     cc, objdump = native._compiler(), shutil.which("objdump")
     if cc is None or objdump is None:
         pytest.skip("needs a C compiler and objdump")
-    source = Path(native.__file__).with_name("csrc") / f"{kernel}.c"
-    flags = [f if f != "-march=native" else f"-march={march}" for f in native._FLAGS]
     so = tmp_path / f"{kernel}.so"
-    proc = subprocess.run([cc, *flags, str(source), "-o", str(so), "-lm"], capture_output=True,
-                          text=True)
-    if proc.returncode != 0 and "march" in proc.stderr:
-        pytest.skip(f"this compiler does not know -march={march}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "warning" not in proc.stderr, proc.stderr[-2000:]
+    cross_build(cc, kernel, march, so)
     code = subprocess.run([objdump, "-d", str(so)], capture_output=True, text=True,
                           check=True).stdout
     assert code.count("vpinsrq") < 20, f"vectors built in general registers ({march})"

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from loraplex.kernels import cpu_elementwise, native
 from loraplex.server.engine.models import llama
 from loraplex.server.engine.models.rope import RotaryEmbedding
+from tests.kernels.cross_build import cross_build, source
 
 pytestmark = pytest.mark.skipif(not cpu_elementwise.available(),
                                 reason="no C compiler: the native kernels do not build")
@@ -249,23 +250,16 @@ def test_silu_and_mul_loops_vectorise_on_avx2_and_avx512(tmp_path, march):
     one. They once were only with AVX-512: on AVX2 a forced 512-bit preferred width left no
     vector type, and FP compares that may trap kept Sleef's selects from being if-converted,
     so SiLU * up ran scalar (24 ms for 1536 x 1536 on Zen 3, 4.5 ms vectorised)."""
-    import subprocess
-    from pathlib import Path
     cc = _gcc()
     if cc is None:
         pytest.skip("needs GCC (its -fopt-info report)")
-    source = Path(native.__file__).with_name("csrc") / "elementwise.c"
-    lines = source.read_text().splitlines()
+    lines = source("elementwise").read_text().splitlines()
     loops = [i + 1 for i, line in enumerate(lines)
              if "for (int64_t j = 0; j < vec_end; j++)" in line]
     assert len(loops) == 2, "the float32 and bf16 vector-body loops of SiLU"
-    flags = [f if f != "-march=native" else f"-march={march}" for f in native._FLAGS]
-    proc = subprocess.run([cc, *flags, "-fopt-info-vec-optimized", str(source), "-o",
-                           str(tmp_path / "e.so"), "-lm"], capture_output=True, text=True)
-    if proc.returncode != 0 and "march" in proc.stderr:
-        pytest.skip(f"this GCC does not know -march={march}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    vectorised = {int(m.split(":")[1]) for m in proc.stderr.splitlines()
+    report = cross_build(cc, "elementwise", march, tmp_path / "e.so",
+                         "-fopt-info-vec-optimized", no_warnings=False)
+    vectorised = {int(m.split(":")[1]) for m in report.splitlines()
                   if "loop vectorized" in m and "elementwise.c:" in m}
     for line in loops:
         assert line in vectorised, f"SiLU loop at elementwise.c:{line} not vectorised ({march})"
