@@ -23,8 +23,9 @@ RANKS = (8, 16, 64, 3, 7)
 D_IN = 133  # not a multiple of 16 (nor of the kernel's vector width)
 WIDTHS = (7, 600, 40)  # the modules' d_out: odd, and 600 spans two tiles of a 16-row segment
 # Segments of 1 to 16 rows (decode rows) and longer ones (prefill: native in float32, the torch
-# path's bf16 GEMMs in bf16)
-ROWS = (1, 3, 16, 40, 1, 2, 17, 7, 1, 5, 12, 1)
+# path's bf16 GEMMs in bf16), up to a whole prompt of 101 rows.
+# Every fifth segment (4, 9) is the base model's.
+ROWS = (1, 3, 16, 40, 1, 101, 2, 17, 7, 1, 5, 12, 1)
 
 
 class Case:
@@ -141,6 +142,15 @@ def test_float32_equals_exact_math(pattern: str, num_modules: int, threads: int)
     # every float32 segment ran natively, the long ones (prefill) as well as the short ones
     assert any(s.hi - s.lo > cpu._SHORT_SEGMENT for s in case.segments)
     assert all(s.group.native is not None for s in case.segments)
+
+
+def test_two_threads_change_no_bit() -> None:
+    # each output element is one thread's sum in one order whatever the split of the work
+    # over threads (round-robin items): one and two threads agree exactly (float32: every
+    # segment native, the long one too)
+    case = Case("distinct", torch.float32, 3, seed=3)
+    assert max(s.hi - s.lo for s in case.segments) == 101
+    assert torch.equal(case.run(1), case.run(2))
 
 
 @pytest.mark.parametrize("threads", [1, 2])
