@@ -13,8 +13,8 @@ from loraplex.kernels import native
 
 
 def source(name: str) -> Path:
-    """``csrc/<name>.c``."""
-    return Path(native.__file__).with_name("csrc") / f"{name}.c"
+    """``csrc/<name>.c``, where ``native`` builds it from."""
+    return native._SOURCES / f"{name}.c"
 
 
 def cross_build(cc: str, name: str, march: str, out: Path, *extra: str,
