@@ -21,7 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.kernels import cpu_native
-from loraplex.kernels.cpu_lora_native import NativeTable, lora_short_segments
+from loraplex.kernels.cpu_lora_native import (
+    NativeTable,
+    lora_long_bf16_segments,
+    lora_short_segments,
+)
 from loraplex.kernels.metadata import AttentionMetadata
 from loraplex.kernels.reference import kv_view, write_kv
 
@@ -68,12 +72,15 @@ _BF16_NATIVE_PREFILL_KEYS = 128
 
 
 @functools.cache
+def _amx() -> bool:
+    """Whether torch reports AMX tiles (assumed, on a torch too old to tell)."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)  # torch >= 2.3
+    return amx is None or bool(amx())
+
+
 def _bf16_native_prefill_keys() -> int | None:
     """The longest bf16 sequence the native prefill kernel takes (None: any), by AMX."""
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)  # torch >= 2.3
-    if amx is not None and not amx():
-        return None
-    return _BF16_NATIVE_PREFILL_KEYS
+    return _BF16_NATIVE_PREFILL_KEYS if _amx() else None
 
 
 def _gather_kv(pool: torch.Tensor, pages: torch.Tensor, length: int
@@ -277,7 +284,10 @@ _SHORT_SEGMENT = 16
 # ahead of its read-modify-write it is 1.3-2.1x torch's shrink + addmm on a prefill chunk of 17
 # segments of 31-200 rows (`benchmarks/cpu_lora_bench.py --prefill`) and 1.06-1.78x on one
 # segment of 1536 rows (one Zen 4 core, SmolLM2's projections). In bf16 the long ones stay on
-# oneDNN's bf16 GEMMs (the native kernel was 0.83-1.5x there, and rounds h differently).
+# oneDNN's bf16 GEMMs (the native kernel was 0.83-1.5x there, and rounds h differently) on a
+# CPU with AMX; without AMX, where the library has AVX512-BF16's pair dot products, they run in
+# ``csrc/lora.c``'s ``loraplex_lora_long_bf16`` (the oneDNN path's rounding of h, 2.0-2.8x its
+# speed on a prefill chunk at one thread, 2.3-4.5x at two: one Zen 5 core, SmolLM2's shapes).
 _NATIVE_F32_SEGMENT = 1 << 62
 
 
@@ -311,7 +321,10 @@ def lora_segments(x: torch.Tensor, y: torch.Tensor, segments: Sequence[SegmentBl
     what LoRA costs in a decode step: hence one shrink and one expand per segment there, and,
     where the native library loads, every short float32/bf16 segment, and in float32 every
     long one too, in one C call instead (``cpu_lora_native.lora_short_segments``: the short
-    path's arithmetic, blocks read in place).
+    path's arithmetic, blocks read in place). On a CPU without AMX whose native build has
+    AVX512-BF16, the long bf16 segments also run in one C call
+    (``cpu_lora_native.lora_long_bf16_segments``: the oneDNN path's arithmetic, ``h`` rounded
+    to bf16, on pair dot products).
 
     Args:
         x: ``[T, d_in]``, rows grouped by segment.
@@ -323,6 +336,8 @@ def lora_segments(x: torch.Tensor, y: torch.Tensor, segments: Sequence[SegmentBl
     segments = lora_short_segments(x, y, segments,
                                    _NATIVE_F32_SEGMENT if x.dtype == torch.float32
                                    else _SHORT_SEGMENT)
+    if segments and x.dtype == torch.bfloat16 and not _amx():
+        segments = lora_long_bf16_segments(x, y, segments)
     half = x.dtype != torch.float32
     native = half and x.dtype == torch.bfloat16 and _native_bf16()
     for seg in segments:

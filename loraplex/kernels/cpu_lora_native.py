@@ -8,8 +8,11 @@ in place (views of the pool, float32 or bfloat16) and writing only the module's 
 
 A group's module table (addresses, strides, ranks, columns) is built once and kept on its
 ``GroupBlocks`` (``native``), with the tensors it points into: a resident adapter's blocks
-neither move nor change, and the table goes with the blocks on eviction. Long segments are not
-run here: their FLOPs dominate, and oneDNN's GEMMs (AMX for bf16) are faster there.
+neither move nor change, and the table goes with the blocks on eviction. Long float32 segments
+run here too (with the output's rows prefetched the kernel beats torch's GEMMs at rank 8-16);
+long bf16 ones run in ``lora_long_bf16_segments`` on AVX512-BF16's pair dot products, with the
+oneDNN path's rounding of ``h`` to bf16, where the CPU has no AMX (with AMX, oneDNN's bf16 GEMMs
+run on tiles and stay).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from loraplex.kernels import native
 if TYPE_CHECKING:
     from loraplex.kernels.cpu import GroupBlocks, SegmentBlocks
 
-__all__ = ["lora_short_segments"]
+__all__ = ["has_long_bf16", "lora_long_bf16_segments", "lora_short_segments"]
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # csrc/lora.c's DT_F32, DT_BF16
 _MODULE_FIELDS = 9  # csrc/lora.c's module_t
@@ -43,6 +46,7 @@ class NativeTable(NamedTuple):
     address: int
     num_modules: int
     keep: tuple[torch.Tensor, ...]  # the blocks the table points into (copies held here)
+    bf16: bool  # every block bf16 (``lora_long_bf16_segments`` takes only those)
 
 
 def _block(t: torch.Tensor) -> torch.Tensor:
@@ -68,7 +72,8 @@ def module_table(group: GroupBlocks) -> NativeTable:
                      m.start, m.end, a.shape[1], _DTYPES[a.dtype]])
         keep += [a, bt]
     table = torch.tensor(rows, dtype=torch.int64).reshape(-1, _MODULE_FIELDS)
-    group.native = NativeTable(table, table.data_ptr(), len(rows), tuple(keep))
+    group.native = NativeTable(table, table.data_ptr(), len(rows), tuple(keep),
+                               all(t.dtype == torch.bfloat16 for t in keep))
     return group.native
 
 
@@ -123,6 +128,62 @@ def lora_short_segments(x: torch.Tensor, y: torch.Tensor, segments: Sequence[Seg
     rc = fn(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), x.shape[0], x.shape[1],
             y.shape[1], code, len(scales), seg_arr.buffer_info()[0],
             scale_arr.buffer_info()[0], torch.get_num_threads())
+    if rc == 5:
+        raise MemoryError("native LoRA: " + _ERRORS[5])
+    if rc != 0:
+        raise ValueError("native LoRA: " + _ERRORS.get(rc, f"error {rc}"))
+    return rest
+
+
+def has_long_bf16() -> bool:
+    """Whether the library loads and was built with AVX512-BF16 (``loraplex_lora_long_bf16``)."""
+    lib = native.library("lora")
+    return lib is not None and hasattr(lib, "loraplex_lora_has_dpbf16")
+
+
+def lora_long_bf16_segments(x: torch.Tensor, y: torch.Tensor,
+                            segments: Sequence[SegmentBlocks]) -> Sequence[SegmentBlocks]:
+    """Run bf16 segments in one C call on AVX512-BF16's pair dot products; return the others.
+
+    Semantics, for each segment and each module ``m`` of its group (``cpu.lora_segments``'
+    long bf16 path, oneDNN's): ``h = bf16(x[lo:hi] @ A^T)``, then
+    ``y[lo:hi, start:end] = bf16(y + scale * (h @ BT))``, products accumulated in float32.
+    Returns ``segments`` untouched (nothing run) where the kernel is not built
+    (``has_long_bf16``), ``x`` / ``y`` are not CPU bf16 rows of unit stride, or a group's
+    blocks are not bf16.
+
+    Raises:
+        ValueError: a segment or module outside ``x`` / ``y`` (checked in C before any write).
+        MemoryError: the kernel's buffers could not be allocated.
+    """
+    if (x.dtype != torch.bfloat16 or y.dtype != torch.bfloat16 or x.device.type != "cpu"
+            or y.device.type != "cpu" or x.stride(1) != 1 or y.stride(1) != 1
+            or not segments):
+        return segments
+    lib = native.library("lora")
+    if lib is None or not hasattr(lib, "loraplex_lora_has_dpbf16"):
+        return segments
+    fields: list[int] = []
+    scales: list[float] = []
+    rest = []
+    for seg in segments:
+        t = seg.group.native or module_table(seg.group)
+        if not t.bf16:
+            rest.append(seg)
+            continue
+        fields += (seg.lo, seg.hi, t.address, t.num_modules)
+        scales.append(seg.scale)
+    if not scales:
+        return rest
+    fn = lib.loraplex_lora_long_bf16
+    if fn.argtypes is None:
+        fn.restype = ctypes.c_int64
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 5,
+                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    seg_arr, scale_arr = array.array("q", fields), array.array("f", scales)
+    rc = fn(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), x.shape[0], x.shape[1],
+            y.shape[1], len(scales), seg_arr.buffer_info()[0], scale_arr.buffer_info()[0],
+            torch.get_num_threads())
     if rc == 5:
         raise MemoryError("native LoRA: " + _ERRORS[5])
     if rc != 0:

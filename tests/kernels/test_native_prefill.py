@@ -101,9 +101,9 @@ def cpu_amx(monkeypatch, request):
     """The CPU as having AMX tiles or not (``request.param``), for ``cpu``'s cached answer."""
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: request.param,
                         raising=False)
-    cpu._bf16_native_prefill_keys.cache_clear()
+    cpu._amx.cache_clear()
     yield request.param
-    cpu._bf16_native_prefill_keys.cache_clear()  # the real CPU's answer for later tests
+    cpu._amx.cache_clear()  # the real CPU's answer for later tests
 
 
 @pytest.mark.parametrize("cpu_amx", [True, False], indirect=True)

@@ -373,3 +373,228 @@ int64_t loraplex_lora_short(const void *x, int64_t x_stride, void *y, int64_t y_
     free(xw);
     return 0;
 }
+
+/* ---- Long bf16 segments (prefill) on AVX512-BF16's pair dot products (vdpbf16ps) ----------
+ *
+ * Semantics, for each segment s and module m (the oneDNN path's, cpu.lora_segments):
+ *     h = bf16(x[lo:hi] @ A_m^T)                      float32 accumulate, rounded to bf16
+ *     y[lo:hi, start_m:end_m] = bf16(y + scale_s * (h @ BT_m))   float32 accumulate, one rounding
+ * x, y, A and BT all bf16. vdpbf16ps multiplies pairs of bf16 exactly and adds them into float32
+ * lanes (bf16 denormal inputs count as zero, as in oneDNN's bf16 kernels without AMX).
+ *
+ * Why: without AMX, a prefill segment's two rank-8-16 bf16 GEMMs on oneDNN are dominated by
+ * their fixed cost, and the float32 kernel above widens every element first. The shrink reads
+ * x and A as bf16 pairs (4 rows x 4 ranks of 32-lane sums); the expand interleaves B^T's rank
+ * pairs once per column tile and row block (two permutes per 32 columns) so that each output
+ * vector is one vdpbf16ps per two ranks, h's pair broadcast. */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+enum { ROW_BLOCK = 128 };  /* rows of a work item: shrinks and expands split long segments */
+
+static inline __m512 dp(__m512 acc, __m512i a, __m512i b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+
+/* h[i * hs + k] = bf16(x_i . A_k) for k < rank; h's pad column (odd rank) set to 0 */
+static void shrink_dp(const uint16_t *x, int64_t xs, int64_t rows, int64_t d_in,
+                      const module_t *m, uint16_t *h, int64_t hs) {
+    const uint16_t *A = (const uint16_t *)(intptr_t)m->a;
+    const int64_t as = m->a_stride, rank = m->rank, dv = d_in - d_in % 32;
+    const __mmask32 tail = (__mmask32)((1ull << (d_in - dv)) - 1);
+    for (int64_t i = 0; i < rows; i += 4) {
+        const uint16_t *xr[4];
+        for (int j = 0; j < 4; j++) xr[j] = x + (i + j < rows ? i + j : i) * xs;
+        for (int64_t k = 0; k < rank; k += 4) {
+            const uint16_t *ar[4];
+            for (int a = 0; a < 4; a++) ar[a] = A + (k + a < rank ? k + a : k) * as;
+            __m512 acc[4][4];
+            for (int j = 0; j < 4; j++)
+                for (int a = 0; a < 4; a++) acc[j][a] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < dv; d += 32) {
+                __m512i xv[4], av[4];
+                for (int j = 0; j < 4; j++) xv[j] = _mm512_loadu_si512(xr[j] + d);
+                for (int a = 0; a < 4; a++) av[a] = _mm512_loadu_si512(ar[a] + d);
+                for (int j = 0; j < 4; j++)
+                    for (int a = 0; a < 4; a++) acc[j][a] = dp(acc[j][a], xv[j], av[a]);
+            }
+            if (dv < d_in) {
+                __m512i xv[4], av[4];
+                for (int j = 0; j < 4; j++) xv[j] = _mm512_maskz_loadu_epi16(tail, xr[j] + dv);
+                for (int a = 0; a < 4; a++) av[a] = _mm512_maskz_loadu_epi16(tail, ar[a] + dv);
+                for (int j = 0; j < 4; j++)
+                    for (int a = 0; a < 4; a++) acc[j][a] = dp(acc[j][a], xv[j], av[a]);
+            }
+            for (int j = 0; j < 4 && i + j < rows; j++)
+                for (int a = 0; a < 4 && k + a < rank; a++)
+                    h[(i + j) * hs + k + a] = f2bf(_mm512_reduce_add_ps(acc[j][a]));
+        }
+        for (int j = 0; j < 4 && i + j < rows; j++)
+            if (rank % 2) h[(i + j) * hs + rank] = 0;
+    }
+}
+
+/* pack[kp * n64 + c] = BT[2 kp][c0 + c] | BT[2 kp + 1][c0 + c] << 16 for c < n (zeros past n and
+ * past the last rank): the rank pairs vdpbf16ps takes, columns padded to 64 */
+static void pack_pairs(const module_t *m, int64_t c0, int64_t n, int64_t n64, uint32_t *pack) {
+    const uint16_t *B = (const uint16_t *)(intptr_t)m->b;
+    const int64_t bs = m->b_stride, rank = m->rank, off = c0 - m->start;
+    const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10,
+                                            41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3,
+                                            34, 2, 33, 1, 32, 0);
+    const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+    for (int64_t kp = 0; 2 * kp < rank; kp++) {
+        const uint16_t *b0 = B + 2 * kp * bs + off;
+        const uint16_t *b1 = 2 * kp + 1 < rank ? b0 + bs : NULL;
+        uint32_t *out = pack + kp * n64;
+        for (int64_t c = 0; c < n64; c += 32) {
+            const int64_t left = n - c;
+            const __mmask32 mk = left >= 32 ? ~(__mmask32)0
+                                 : left <= 0 ? 0 : (__mmask32)((1ull << left) - 1);
+            const __m512i r0 = _mm512_maskz_loadu_epi16(mk, b0 + c);
+            const __m512i r1 = b1 != NULL ? _mm512_maskz_loadu_epi16(mk, b1 + c)
+                                          : _mm512_setzero_si512();
+            _mm512_storeu_si512(out + c, _mm512_permutex2var_epi16(r0, lo_idx, r1));
+            _mm512_storeu_si512(out + c + 16, _mm512_permutex2var_epi16(r0, hi_idx, r1));
+        }
+    }
+}
+
+/* y[i, c0 + c] = bf16(y + scale * sum_k h[i, k] BT[k, c0 + c]) for c < n: 4 rows x 64 columns
+ * of float32 sums, one vdpbf16ps per rank pair and 16 columns */
+static void expand_dp(const uint16_t *h, int64_t hs, int64_t rows, int64_t rank_pairs,
+                      const uint32_t *pack, int64_t n, int64_t n64, float scale, uint16_t *y,
+                      int64_t ys) {
+    for (int64_t i = 0; i < rows; i += 4) {
+        const uint16_t *hr[4];
+        for (int j = 0; j < 4; j++) hr[j] = h + (i + j < rows ? i + j : i) * hs;
+        for (int64_t c = 0; c < n64; c += 64) {
+            __m512 acc[4][4];
+            for (int j = 0; j < 4; j++)
+                for (int v = 0; v < 4; v++) acc[j][v] = _mm512_setzero_ps();
+            for (int64_t kp = 0; kp < rank_pairs; kp++) {
+                const uint32_t *p = pack + kp * n64 + c;
+                __m512i pv[4];
+                for (int v = 0; v < 4; v++) pv[v] = _mm512_loadu_si512(p + 16 * v);
+                for (int j = 0; j < 4; j++) {
+                    uint32_t pair;
+                    memcpy(&pair, hr[j] + 2 * kp, 4);
+                    const __m512i hb = _mm512_set1_epi32((int)pair);
+                    for (int v = 0; v < 4; v++) acc[j][v] = dp(acc[j][v], hb, pv[v]);
+                }
+            }
+            for (int j = 0; j < 4 && i + j < rows; j++) {
+                uint16_t *yr = y + (i + j) * ys;
+                if (i + j + 4 < rows)  /* the row four on: out of L2 after the base GEMM */
+                    for (int64_t q = 0; q < 128 && c + q / 2 < n; q += 64)
+                        __builtin_prefetch((const char *)(yr + 4 * ys + c) + q, 1, 3);
+                for (int v = 0; v < 4; v++) {
+                    const int64_t at = c + 16 * v, left = n - at;
+                    if (left <= 0) break;
+                    const __mmask16 mk = left >= 16 ? (__mmask16)0xffff
+                                                    : (__mmask16)((1u << left) - 1);
+                    const __m256i old = _mm256_maskz_loadu_epi16(mk, yr + at);
+                    const __m512 wide = _mm512_castsi512_ps(
+                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(old), 16));
+                    const vf sum = (vf)_mm512_fmadd_ps(_mm512_set1_ps(scale), acc[j][v], wide);
+                    const vh out = to_bf16(sum);
+                    __m256i outv;
+                    memcpy(&outv, &out, sizeof outv);
+                    _mm256_mask_storeu_epi16(yr + at, mk, outv);
+                }
+            }
+        }
+    }
+}
+
+int64_t loraplex_lora_has_dpbf16(void) { return 1; }
+
+/* Returns 0, or as loraplex_lora_short (4 also when a block is not bf16). x and y bf16. */
+int64_t loraplex_lora_long_bf16(const void *x, int64_t x_stride, void *y, int64_t y_stride,
+                                int64_t num_rows, int64_t d_in, int64_t y_cols,
+                                int64_t num_segments, const segment_t *segs,
+                                const float *scales, int64_t num_threads) {
+    /* checks, h's size (each module its own block of rows x even rank) and the work lists */
+    int64_t h_total = 0, num_shrinks = 0, num_items = 0, max_pairs = 0;
+    for (int64_t s = 0; s < num_segments; s++) {
+        const segment_t *sg = &segs[s];
+        if (sg->lo < 0 || sg->hi > num_rows || sg->lo > sg->hi) return 1;
+        const int64_t rows = sg->hi - sg->lo, blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK;
+        for (int64_t j = 0; j < sg->num_modules; j++) {
+            const module_t *m = &modules_of(sg)[j];
+            if (m->start < 0 || m->end > y_cols || m->start > m->end) return 2;
+            if (m->d_in != d_in) return 3;
+            if (m->dtype != DT_BF16) return 4;
+            const int64_t pairs = (m->rank + 1) / 2;
+            max_pairs = pairs > max_pairs ? pairs : max_pairs;
+            h_total += rows * 2 * pairs;
+            num_shrinks += blocks;
+            num_items += blocks * ((m->end - m->start + TILE - 1) / TILE);
+        }
+    }
+    typedef struct {
+        const segment_t *sg;
+        const module_t *m;
+        int64_t r0, r1, c0, c1, h_at, hs;
+        float scale;
+    } work_t;
+    const int nt = num_threads > 1 ? (int)num_threads : 1;
+    uint16_t *h = malloc((size_t)(h_total + 1) * sizeof(uint16_t));
+    work_t *work = malloc((size_t)(num_shrinks + num_items + 1) * sizeof(work_t));
+    uint32_t *packs = malloc((size_t)(nt * (max_pairs * TILE) + 1) * sizeof(uint32_t));
+    if (h == NULL || work == NULL || packs == NULL) {
+        free(h);
+        free(work);
+        free(packs);
+        return 5;
+    }
+    int64_t ns = 0, ni = num_shrinks, h_at = 0;
+    for (int64_t s = 0; s < num_segments; s++) {
+        const segment_t *sg = &segs[s];
+        const int64_t rows = sg->hi - sg->lo;
+        for (int64_t j = 0; j < sg->num_modules; j++) {
+            const module_t *m = &modules_of(sg)[j];
+            const int64_t hs = 2 * ((m->rank + 1) / 2);
+            for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
+                const int64_t r1 = r0 + ROW_BLOCK < rows ? r0 + ROW_BLOCK : rows;
+                work[ns++] = (work_t){sg, m, r0, r1, 0, 0, h_at, hs, scales[s]};
+                for (int64_t c0 = m->start; c0 < m->end; c0 += TILE)
+                    work[ni++] = (work_t){sg, m, r0, r1, c0,
+                                          c0 + TILE < m->end ? c0 + TILE : m->end, h_at, hs,
+                                          scales[s]};
+            }
+            h_at += rows * hs;
+        }
+    }
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+#pragma omp for schedule(static, 1)
+        for (int64_t t = 0; t < num_shrinks; t++) {
+            const work_t *w = &work[t];
+            shrink_dp((const uint16_t *)x + (w->sg->lo + w->r0) * x_stride, x_stride,
+                      w->r1 - w->r0, d_in, w->m, h + w->h_at + w->r0 * w->hs, w->hs);
+        }
+        int me = 0;
+#ifdef _OPENMP
+        me = omp_get_thread_num();
+#endif
+        uint32_t *pack = packs + (int64_t)me * max_pairs * TILE;
+#pragma omp for schedule(static, 1)
+        for (int64_t t = num_shrinks; t < num_shrinks + num_items; t++) {
+            const work_t *w = &work[t];
+            const int64_t n = w->c1 - w->c0, n64 = (n + 63) / 64 * 64;
+            pack_pairs(w->m, w->c0, n, n64, pack);
+            expand_dp(h + w->h_at + w->r0 * w->hs, w->hs, w->r1 - w->r0, w->hs / 2, pack, n,
+                      n64, w->scale,
+                      (uint16_t *)y + (w->sg->lo + w->r0) * y_stride + w->c0, y_stride);
+        }
+    }
+    free(h);
+    free(work);
+    free(packs);
+    return 0;
+}
+#endif
