@@ -121,6 +121,14 @@ class ResidentAdapter:
     # object when the adapter is evicted.
     blocks: dict[tuple[int, str], GroupBlocks] = field(
         default_factory=dict, compare=False, repr=False)
+    # On a CPU pool (no sharding): the host cache's region of this adapter, ``[num_layers,
+    # layout.num_elems]``, the very values its pages hold. The CPU path takes its blocks as views
+    # of it: every block one contiguous run, where a block that crosses pages would otherwise be
+    # a fresh copy made at each copy-in, in among the step's transient buffers (the allocator
+    # then took fresh pages for the next prefill's GEMM outputs: a fault storm that made the
+    # first prefill step after 10-13 copies-in 1.5-1.9 s slower on SmolLM2 in float32). Held here
+    # while resident, even if the host cache's LRU drops it meanwhile.
+    host_region: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
 class AdapterManager:
@@ -269,7 +277,10 @@ class AdapterManager:
         layout = self._pool_layout(host)
         pages = self.pager.add_entry(digest, PageKind.ADAPTER, layout.num_pages(self.page_elems))
         self._to_copy[digest] = host
-        self._resident[digest] = ResidentAdapter(digest, layout, host.scale, tuple(pages))
+        region = (host.flat if self.sharding is None and self.pools.device.type == "cpu"
+                  and host.flat.dtype == self.pools.dtype else None)
+        self._resident[digest] = ResidentAdapter(digest, layout, host.scale, tuple(pages),
+                                                 host_region=region)
         return AdapterLoad(digest, tuple(pages))
 
     def copy_in(self, loads: Sequence[AdapterLoad]) -> None:

@@ -155,8 +155,15 @@ class LoraBatch:
                 continue
             _, start, end = self.slices[module]
             d_in, d_out = self.shapes[module]
-            a = reference.region_rows(pool, pages, layout.a_offsets[module], layout.rank, d_in)
-            bt = reference.region_rows(pool, pages, layout.b_offsets[module], layout.rank,
-                                       d_out)
+            region = adapter.host_region
+            if region is not None:  # the same values as the pages, one contiguous run each
+                a_off, b_off, r = layout.a_offsets[module], layout.b_offsets[module], layout.rank
+                a = region[layer, a_off:a_off + r * d_in].view(r, d_in)
+                bt = region[layer, b_off:b_off + r * d_out].view(r, d_out)
+            else:
+                a = reference.region_rows(pool, pages, layout.a_offsets[module], layout.rank,
+                                          d_in)
+                bt = reference.region_rows(pool, pages, layout.b_offsets[module], layout.rank,
+                                           d_out)
             blocks.append(cpu.ModuleBlocks(start, end, a.t(), bt))
         return cpu.GroupBlocks(blocks)

@@ -92,3 +92,52 @@ def test_the_scheduled_batch_carries_the_copy_the_runner_performs(tiny_llama, tm
     engine.outputs.take()
     assert_pages_idle(engine)
     engine.close()
+
+
+def test_cpu_blocks_are_views_of_the_host_region_equal_to_the_pages(tiny_llama, tmp_path):
+    # On a CPU pool the LoRA path reads each block from the host cache's region of the adapter
+    # (one contiguous run) rather than copying blocks that cross pages at every copy-in; the
+    # region holds the values the pages do.
+    from loraplex.kernels import reference
+
+    adapter = _adapter(tiny_llama, tmp_path)
+    # one-token pages: some blocks of the adapter cross a page boundary
+    engine = Engine(EngineConfig(model=str(tiny_llama), num_pages=256,
+                                 scheduler=SchedulerConfig(page_size=1)),
+                    adapter_source=LoadedSource([adapter]))
+    try:
+        request = engine.add_request("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=3),
+                                     adapter_digest=adapter.digest)
+        tokens = []
+        deadline = time.monotonic() + 60
+        while engine.has_unfinished() and time.monotonic() < deadline:
+            for out in engine.step():
+                tokens += out.new_token_ids
+        assert len(tokens) == 3
+        resident = engine.adapters.resident(request.adapter_digest)
+        region = resident.host_region
+        assert region is not None and region.dtype == engine.runner.pools.dtype
+        lo = region.untyped_storage().data_ptr()
+        hi = lo + region.untyped_storage().nbytes()
+        assert resident.blocks  # resolved by the forward passes
+        pages = torch.tensor(resident.pages)
+        layout = resident.layout
+        page_elems = engine.runner.pools.shape[2]
+        shapes = ModelConfig.from_pretrained(tiny_llama).module_shapes()
+        crossing = 0
+        for (layer, _), group in resident.blocks.items():
+            for m in group.modules:
+                for t in (m.a_t, m.bt):
+                    assert lo <= t.data_ptr() < hi  # a view, no copy
+            pool = engine.runner.pools[layer]
+            for module in layout.modules:
+                d_in, d_out = shapes[module]
+                for off, width in ((layout.a_offsets[module], d_in),
+                                   (layout.b_offsets[module], d_out)):
+                    rows = reference.region_rows(pool, pages, off, layout.rank, width)
+                    view = region[layer, off:off + rows.numel()].view_as(rows)
+                    assert torch.equal(rows, view)
+                    crossing += off // page_elems != (off + rows.numel() - 1) // page_elems
+        assert crossing > 0  # some blocks cross pages: those were copies before
+    finally:
+        engine.close()
