@@ -12,6 +12,7 @@ import torch
 
 from loraplex.kernels import native
 from loraplex.kernels.metadata import AttentionMetadata
+from loraplex.server.engine import cpu_memory
 from loraplex.server.engine.adapter_cache import AdapterManager
 from loraplex.server.engine.batch import ScheduledBatch
 from loraplex.server.engine.lora import LoraBatch, lora_ops
@@ -84,6 +85,8 @@ class ModelRunner:
         if self.device.type == "cpu" and kernels == "torch":
             # the compile (about a second) happens at start-up, never in a request's latency
             native.build_engine_kernels()
+        if self.device.type == "cpu":
+            cpu_memory.keep_freed_memory()  # no page faults for each step's fresh buffers
         # Set on tensor-parallel ranks (parallel/): the row-parallel layers' all-reduce.
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
 
