@@ -1,5 +1,6 @@
-"""glibc's mmap and trim thresholds fixed for a CPU engine (``server/engine/cpu_memory.py``):
-a step's freed buffers are reused without faulting their pages in again."""
+"""What start-up does for a step's memory: glibc's mmap and trim thresholds fixed for a CPU engine
+(``server/engine/cpu_memory.py``: a step's freed buffers are reused without faulting their pages
+in again), and the objects alive once the engine is built frozen out of Python's collections."""
 
 from __future__ import annotations
 
@@ -62,3 +63,24 @@ def test_a_cpu_engine_sets_it(tiny_llama, monkeypatch) -> None:
         assert calls
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("freeze", ["1", "0"])
+def test_the_engine_freezes_what_start_up_made_until_closed(tiny_llama, monkeypatch,
+                                                            freeze: str) -> None:
+    # Full collections skip the objects alive once the engine is built (the loader's, the
+    # tokenizer's, torch's): the engine's steps never pay a walk over them.
+    import gc
+
+    monkeypatch.setenv("LORAPLEX_GC_FREEZE", freeze)
+    gc.unfreeze()
+    engine = Engine(EngineConfig(model=str(tiny_llama), num_pages=16))
+    try:
+        frozen = gc.get_freeze_count()
+        if freeze == "1":
+            assert frozen > 1000  # the process's objects, the engine's included
+        else:
+            assert frozen == 0
+    finally:
+        engine.close()
+    assert gc.get_freeze_count() == 0
