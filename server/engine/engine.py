@@ -9,6 +9,7 @@ an inbox drained at the start of each step.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import os
@@ -172,6 +173,10 @@ class Engine:
         self._froze_gc = os.environ.get("LORAPLEX_GC_FREEZE", "1") != "0"
         if self._froze_gc:
             gc.freeze()
+            # and back before the interpreter's last collection, which skips frozen objects
+            # (extensions then report them leaked at exit: nanobind's Triton bindings do)
+            atexit.unregister(gc.unfreeze)
+            atexit.register(gc.unfreeze)
         logger.info("engine ready: %s, %s, %d pages of %d tokens, kernels=%s",
                     self.model_path, config.dtype, num_pages, config.page_size, kernels)
 
