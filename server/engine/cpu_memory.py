@@ -5,11 +5,12 @@ prefill's gate/up output is 25 MB in float32). glibc serves a request above its 
 (128 KiB at start, raised as mmapped chunks are freed, at most 32 MiB) with fresh pages, and
 returns the top of its heap to the kernel once more than its trim threshold lies free there:
 either way the next step's buffers fault their pages in again, zeroed one 4 KiB page at a time.
-Measured on SmolLM2-135M in float32 (one Zen 5 core, `lora_bench.py`): 20-44 thousand minor
-faults a run of 32 requests in the steady state, 100-160 thousand in a run whose adapters were
-copied in among the step's buffers, which made its first prefill step 1.5-1.9 s slower. With
-the mmap threshold fixed at its maximum and the trim threshold at 1 GiB, a steady run faults a
-handful of pages. The cost: the process keeps up to 1 GiB of freed heap mapped for reuse.
+Measured on SmolLM2-135M in float32 (one Zen 5 core, `lora_bench.py`): 44 thousand minor
+faults a run of 32 requests in the steady state (the worse storms after adapter copies-in came
+from block copies, now views: ``ResidentAdapter.host_region``). With the mmap threshold fixed
+at its maximum and the trim threshold at 1 GiB a steady run faults a handful of pages, and ran
+2.8% faster with adapters, 1.6% without (medians of six interleaved runs). The cost: the
+process keeps up to 1 GiB of freed heap mapped for reuse.
 
 ``LORAPLEX_MALLOC_TUNE=0`` leaves the allocator as it is; so do allocators other than glibc's.
 """
