@@ -20,7 +20,7 @@ from __future__ import annotations
 import array
 import ctypes
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -116,29 +116,39 @@ def lora_short_segments(x: torch.Tensor, y: torch.Tensor, segments: Sequence[Seg
         t = seg.group.native or module_table(seg.group)
         fields += (seg.lo, seg.hi, t.address, t.num_modules)
         scales.append(seg.scale)
-    if not scales:
-        return rest
-    fn = lib.loraplex_lora_short
+    if scales:
+        _call(lib.loraplex_lora_short, x, y, (code,), fields, scales)
+    return rest
+
+
+def _call(fn: Any, x: torch.Tensor, y: torch.Tensor, extra: tuple[int, ...],
+          fields: list[int], scales: list[float]) -> None:
+    """``fn(x, x_stride, y, y_stride, rows, d_in, y_cols, *extra, n, segs, scales, threads)``,
+    either entry point of ``csrc/lora.c``; its error codes raised."""
     if fn.argtypes is None:  # declared once: plain ints then convert in C, the cheapest call
         fn.restype = ctypes.c_int64
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 6,
-                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                       *[ctypes.c_int64] * (5 + len(extra)), ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_int64]
     # array.array: the segment fields as C int64 / float32 in one C-level copy of the lists
     seg_arr, scale_arr = array.array("q", fields), array.array("f", scales)
     rc = fn(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), x.shape[0], x.shape[1],
-            y.shape[1], code, len(scales), seg_arr.buffer_info()[0],
+            y.shape[1], *extra, len(scales), seg_arr.buffer_info()[0],
             scale_arr.buffer_info()[0], torch.get_num_threads())
     if rc == 5:
         raise MemoryError("native LoRA: " + _ERRORS[5])
     if rc != 0:
         raise ValueError("native LoRA: " + _ERRORS.get(rc, f"error {rc}"))
-    return rest
+
+
+def _long_bf16_library() -> ctypes.CDLL | None:
+    lib = native.library("lora")
+    return lib if lib is not None and hasattr(lib, "loraplex_lora_has_dpbf16") else None
 
 
 def has_long_bf16() -> bool:
     """Whether the library loads and was built with AVX512-BF16 (``loraplex_lora_long_bf16``)."""
-    lib = native.library("lora")
-    return lib is not None and hasattr(lib, "loraplex_lora_has_dpbf16")
+    return _long_bf16_library() is not None
 
 
 def lora_long_bf16_segments(x: torch.Tensor, y: torch.Tensor,
@@ -160,8 +170,8 @@ def lora_long_bf16_segments(x: torch.Tensor, y: torch.Tensor,
             or y.device.type != "cpu" or x.stride(1) != 1 or y.stride(1) != 1
             or not segments):
         return segments
-    lib = native.library("lora")
-    if lib is None or not hasattr(lib, "loraplex_lora_has_dpbf16"):
+    lib = _long_bf16_library()
+    if lib is None:
         return segments
     fields: list[int] = []
     scales: list[float] = []
@@ -173,19 +183,6 @@ def lora_long_bf16_segments(x: torch.Tensor, y: torch.Tensor,
             continue
         fields += (seg.lo, seg.hi, t.address, t.num_modules)
         scales.append(seg.scale)
-    if not scales:
-        return rest
-    fn = lib.loraplex_lora_long_bf16
-    if fn.argtypes is None:
-        fn.restype = ctypes.c_int64
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, *[ctypes.c_int64] * 5,
-                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-    seg_arr, scale_arr = array.array("q", fields), array.array("f", scales)
-    rc = fn(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), x.shape[0], x.shape[1],
-            y.shape[1], len(scales), seg_arr.buffer_info()[0], scale_arr.buffer_info()[0],
-            torch.get_num_threads())
-    if rc == 5:
-        raise MemoryError("native LoRA: " + _ERRORS[5])
-    if rc != 0:
-        raise ValueError("native LoRA: " + _ERRORS.get(rc, f"error {rc}"))
+    if scales:
+        _call(lib.loraplex_lora_long_bf16, x, y, (), fields, scales)
     return rest

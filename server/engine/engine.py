@@ -9,10 +9,7 @@ an inbox drained at the start of each step.
 
 from __future__ import annotations
 
-import atexit
-import gc
 import logging
-import os
 import queue
 import secrets
 import time
@@ -23,7 +20,7 @@ import torch
 from loraplex.adapter_store.store import AdapterSource
 from loraplex.kernels.layout import kv_page_elems
 from loraplex.server.config import EngineConfig
-from loraplex.server.engine import cpu_threads
+from loraplex.server.engine import cpu_threads, gc_freeze
 from loraplex.server.engine.adapter_cache import AdapterManager
 from loraplex.server.engine.batch import Accepted, ScheduledBatch
 from loraplex.server.engine.calibration import calibrate
@@ -165,18 +162,7 @@ class Engine:
             # calibration step would have to run on every rank.
             calibrate(self.runner, self.pager, self.step_timer.model,
                       config.scheduler.max_num_batched_tokens, self.max_model_len)
-        # Python's full (oldest-generation) collections walk every object the process holds:
-        # the model loader's, the tokenizer's, torch's, the server's. One landed inside a step
-        # on SmolLM2 (one Zen 5 core) and took 212 ms of it. Frozen once the engine is built,
-        # those objects are skipped by every later collection (the engine's own short-lived
-        # objects are still collected); close() hands them back. LORAPLEX_GC_FREEZE=0: not.
-        self._froze_gc = os.environ.get("LORAPLEX_GC_FREEZE", "1") != "0"
-        if self._froze_gc:
-            gc.freeze()
-            # and back before the interpreter's last collection, which skips frozen objects
-            # (extensions then report them leaked at exit: nanobind's Triton bindings do)
-            atexit.unregister(gc.unfreeze)
-            atexit.register(gc.unfreeze)
+        self._froze_gc = gc_freeze.freeze()  # no full collection walks start-up's objects
         logger.info("engine ready: %s, %s, %d pages of %d tokens, kernels=%s",
                     self.model_path, config.dtype, num_pages, config.page_size, kernels)
 
@@ -197,7 +183,7 @@ class Engine:
         if adapters is not None:
             adapters.close()
         if getattr(self, "_froze_gc", False):
-            gc.unfreeze()  # collectable again (the process may go on without this engine)
+            gc_freeze.release()
             self._froze_gc = False
 
     # -- set-up ------------------------------------------------------------------------------

@@ -19,3 +19,16 @@ if not torch.cuda.is_available():
         raise pytest.UsageError("a Triton kernel module was imported before TRITON_INTERPRET=1 "
                                 "was set; set it in the environment or in tests/conftest.py")
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+@pytest.fixture
+def cpu_amx(monkeypatch, request):
+    """The CPU as having AMX tiles or not (``request.param``), for ``kernels.cpu``'s cached
+    answer (the routing of bf16 prefill attention and of long bf16 LoRA segments)."""
+    from loraplex.kernels import cpu
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: request.param,
+                        raising=False)
+    cpu._amx.cache_clear()
+    yield request.param
+    cpu._amx.cache_clear()  # the real CPU's answer for later tests

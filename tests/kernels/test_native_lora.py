@@ -235,9 +235,9 @@ def test_half_precision_and_strided_outputs_left_to_torch() -> None:
     assert torch.equal(y, case.y0)
 
 
-@pytest.mark.parametrize("bad", ["rows", "columns", "width"])
-def test_out_of_bounds_refused_before_any_write(bad: str) -> None:
-    case = Case("distinct", torch.float32, 2)
+def refused_before_any_write(case: Case, bad: str, run) -> None:
+    """``run(x, y, segments)`` on a segment past x's rows, a y narrower than a module's columns,
+    or an x narrower than A's rows: a ValueError and y untouched (the checks run in C first)."""
     seg = case.segments[0]
     x, y = case.x, case.y0.clone()
     if bad == "rows":
@@ -250,5 +250,11 @@ def test_out_of_bounds_refused_before_any_write(bad: str) -> None:
         segments = [seg]
     before = y.clone()
     with pytest.raises(ValueError, match="native LoRA"):
-        cpu_lora_native.lora_short_segments(x, y, segments, 16)
+        run(x, y, segments)
     assert torch.equal(y, before)
+
+
+@pytest.mark.parametrize("bad", ["rows", "columns", "width"])
+def test_out_of_bounds_refused_before_any_write(bad: str) -> None:
+    refused_before_any_write(Case("distinct", torch.float32, 2), bad,
+                             lambda x, y, segs: cpu_lora_native.lora_short_segments(x, y, segs, 16))

@@ -16,7 +16,7 @@ import torch
 
 from loraplex.kernels import cpu, cpu_lora_native, native
 from tests.kernels.lora_batches import PATTERNS
-from tests.kernels.test_native_lora import Case, _bf16_ulp
+from tests.kernels.test_native_lora import Case, _bf16_ulp, refused_before_any_write
 
 pytestmark = pytest.mark.skipif(
     not native.available("lora") or not cpu_lora_native.has_long_bf16(),
@@ -99,16 +99,6 @@ def test_agrees_with_the_onednn_path() -> None:
     assert (y == y_dnn).float().mean() > 0.9  # mostly the same bits
 
 
-@pytest.fixture
-def cpu_amx(monkeypatch, request):
-    """The CPU as having AMX tiles or not (``request.param``), for ``cpu``'s cached answer."""
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: request.param,
-                        raising=False)
-    cpu._amx.cache_clear()
-    yield request.param
-    cpu._amx.cache_clear()  # the real CPU's answer for later tests
-
-
 @pytest.mark.parametrize("cpu_amx", [True, False], indirect=True)
 def test_the_engine_routes_long_bf16_segments_by_amx(cpu_amx: bool) -> None:
     # cpu.lora_segments: short segments in the short kernel either way; the long ones in this
@@ -176,18 +166,5 @@ def test_other_dtypes_left_to_the_caller() -> None:
 
 @pytest.mark.parametrize("bad", ["rows", "columns", "width"])
 def test_out_of_bounds_refused_before_any_write(bad: str) -> None:
-    case = Case("distinct", torch.bfloat16, 2, rows=LONG_ROWS)
-    seg = case.segments[0]
-    x, y = case.x, case.y0.clone()
-    if bad == "rows":
-        segments = [seg, cpu.SegmentBlocks(x.shape[0] - 1, x.shape[0] + 1, 1.0, seg.group)]
-    elif bad == "columns":
-        y = y[:, :seg.group.span_hi - 1]
-        segments = [seg]
-    else:
-        x = x[:, :132]
-        segments = [seg]
-    before = y.clone()
-    with pytest.raises(ValueError, match="native LoRA"):
-        cpu_lora_native.lora_long_bf16_segments(x, y, segments)
-    assert torch.equal(y, before)
+    refused_before_any_write(Case("distinct", torch.bfloat16, 2, rows=LONG_ROWS), bad,
+                             cpu_lora_native.lora_long_bf16_segments)

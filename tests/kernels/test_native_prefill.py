@@ -96,16 +96,6 @@ def test_matches_reference(case: tuple[int, int, int], dtype: torch.dtype, decod
     assert (out[others] == 7.0).all()  # decode rows are not the kernel's to write
 
 
-@pytest.fixture
-def cpu_amx(monkeypatch, request):
-    """The CPU as having AMX tiles or not (``request.param``), for ``cpu``'s cached answer."""
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: request.param,
-                        raising=False)
-    cpu._amx.cache_clear()
-    yield request.param
-    cpu._amx.cache_clear()  # the real CPU's answer for later tests
-
-
 @pytest.mark.parametrize("cpu_amx", [True, False], indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_engine_routes_long_bf16_sequences_to_sdpa(dtype: torch.dtype, cpu_amx: bool,

@@ -321,6 +321,24 @@ DEFINE_EXPAND(expand_bf16, uint16_t, ld_bf16, LD1_bf16)
 
 int64_t loraplex_lora_abi(void) { return 1; }
 
+/* The checks both entry points make before any write: 0, or 1 a segment's rows outside x, 2 a
+ * module's columns outside y, 3 A's row length is not d_in, 4 a block's dtype not taken (any
+ * but float32 / bf16; with bf16_only, any but bf16). */
+static int64_t check_segments(const segment_t *segs, int64_t num_segments, int64_t num_rows,
+                              int64_t d_in, int64_t y_cols, int bf16_only) {
+    for (int64_t s = 0; s < num_segments; s++) {
+        const segment_t *sg = &segs[s];
+        if (sg->lo < 0 || sg->hi > num_rows || sg->lo > sg->hi) return 1;
+        for (int64_t j = 0; j < sg->num_modules; j++) {
+            const module_t *m = &modules_of(sg)[j];
+            if (m->start < 0 || m->end > y_cols || m->start > m->end) return 2;
+            if (m->d_in != d_in) return 3;
+            if (m->dtype != DT_BF16 && (bf16_only || m->dtype != DT_F32)) return 4;
+        }
+    }
+    return 0;
+}
+
 /* Returns 0, or: 1 a segment's rows outside x, 2 a module's columns outside y, 3 A's row
  * length is not d_in, 4 a bad dtype, 5 out of memory. Nothing is written unless it returns 0.
  *
@@ -332,18 +350,15 @@ int64_t loraplex_lora_short(const void *x, int64_t x_stride, void *y, int64_t y_
                             int64_t num_segments, const segment_t *segs, const float *scales,
                             int64_t num_threads) {
     if (io_dtype != DT_F32 && io_dtype != DT_BF16) return 4;
-    /* checks, then the sizes of h (every segment's rows x its modules' total rank) and of the
-     * work lists */
+    const int64_t bad = check_segments(segs, num_segments, num_rows, d_in, y_cols, 0);
+    if (bad) return bad;
+    /* the sizes of h (every segment's rows x its modules' total rank) and of the work lists */
     int64_t h_total = 0, num_shrinks = 0, num_items = 0, f32_blocks = 0;
     for (int64_t s = 0; s < num_segments; s++) {
         const segment_t *sg = &segs[s];
-        if (sg->lo < 0 || sg->hi > num_rows || sg->lo > sg->hi) return 1;
         int64_t rank = 0;
         for (int64_t j = 0; j < sg->num_modules; j++) {
             const module_t *m = &modules_of(sg)[j];
-            if (m->start < 0 || m->end > y_cols || m->start > m->end) return 2;
-            if (m->d_in != d_in) return 3;
-            if (m->dtype != DT_F32 && m->dtype != DT_BF16) return 4;
             f32_blocks += m->dtype == DT_F32;
             const int64_t tile = tile_of(sg->hi - sg->lo, m->end - m->start);
             rank += m->rank;
@@ -581,17 +596,15 @@ int64_t loraplex_lora_long_bf16(const void *x, int64_t x_stride, void *y, int64_
                                 int64_t num_rows, int64_t d_in, int64_t y_cols,
                                 int64_t num_segments, const segment_t *segs,
                                 const float *scales, int64_t num_threads) {
-    /* checks, h's size (each module its own block of rows x even rank) and the work lists */
+    const int64_t bad = check_segments(segs, num_segments, num_rows, d_in, y_cols, 1);
+    if (bad) return bad;
+    /* h's size (each module its own block of rows x even rank) and the work lists */
     int64_t h_total = 0, num_shrinks = 0, num_items = 0, max_pairs = 0;
     for (int64_t s = 0; s < num_segments; s++) {
         const segment_t *sg = &segs[s];
-        if (sg->lo < 0 || sg->hi > num_rows || sg->lo > sg->hi) return 1;
         const int64_t rows = sg->hi - sg->lo, blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK;
         for (int64_t j = 0; j < sg->num_modules; j++) {
             const module_t *m = &modules_of(sg)[j];
-            if (m->start < 0 || m->end > y_cols || m->start > m->end) return 2;
-            if (m->d_in != d_in) return 3;
-            if (m->dtype != DT_BF16) return 4;
             const int64_t pairs = (m->rank + 1) / 2;
             max_pairs = pairs > max_pairs ? pairs : max_pairs;
             h_total += rows * 2 * pairs;
