@@ -30,7 +30,7 @@ import torch
 
 from loraplex.adapter_store.format import CanonicalAdapter
 from loraplex.adapter_store.store import AdapterSource
-from loraplex.kernels.cpu import GroupBlocks
+from loraplex.kernels.cpu import GroupBlocks, GroupLayers
 from loraplex.kernels.layout import AdapterLayout, adapter_layout
 from loraplex.server.engine import cpu_threads
 from loraplex.server.engine.batch import AdapterLoad
@@ -121,6 +121,8 @@ class ResidentAdapter:
     # object when the adapter is evicted.
     blocks: dict[tuple[int, str], GroupBlocks] = field(
         default_factory=dict, compare=False, repr=False)
+    # the same blocks of every layer per fused group, for a step's ``cpu.LoraPlan``
+    groups: dict[str, GroupLayers] = field(default_factory=dict, compare=False, repr=False)
     # On a CPU pool (no sharding): the host cache's region of this adapter, ``[num_layers,
     # layout.num_elems]``, the very values its pages hold. The CPU path takes its blocks as views
     # of it: every block one contiguous run, where a block that crosses pages would otherwise be

@@ -19,7 +19,9 @@ Two ways to run it, same arithmetic:
   short segments run in float32 (copies of the blocks: oneDNN's bf16 GEMM is slow at rank
   8-16 and few rows) and long ones as bf16 GEMMs (``lora_segments``). Where the native
   kernels load, all short segments of a projection are instead one C call on the blocks in
-  place (``loraplex/kernels/cpu_lora_native.py``), on this hook's one thread.
+  place (``loraplex/kernels/cpu_lora_native.py``), on this hook's one thread. The routing is
+  done once a step per fused group (``cpu.LoraPlan``, at the group's first call, with every
+  layer's blocks resolved then): a layer's call is then the C call alone.
 """
 
 from __future__ import annotations
@@ -78,9 +80,8 @@ class LoraBatch:
         self.segments = [(bounds[s], bounds[s + 1], a) for s, a in enumerate(adapters)
                          if a is not None and seg_lens[s] > 0]
         self.modules: dict[str, ModuleSegments] = {}
-        # fused groups no segment's adapter targets (the same in every layer: a layout names
-        # modules, not layers), found in the first layer and skipped in the others
-        self._untargeted: set[str] = set()
+        # the CPU path's plan per fused group, made at its first layer (None: untargeted)
+        self._plans: dict[str, cpu.LoraPlan | None] = {}
         if not ops.segment_major:
             self._build_tables(adapters, bounds)
 
@@ -125,22 +126,34 @@ class LoraBatch:
                             self.scales, y[:, start:end])
 
     def _segment_major(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        if group in self._untargeted:
-            return
-        segments = []
-        key = (layer, group)
-        for lo, hi, adapter in self.segments:
-            blocks = adapter.blocks.get(key)
-            if blocks is None:
-                blocks = adapter.blocks[key] = self._resolve(adapter, layer, group)
-            if blocks.modules:
-                segments.append(cpu.SegmentBlocks(lo, hi, adapter.scale, blocks))
-        if not segments:
-            self._untargeted.add(group)
-            return
+        try:
+            plan = self._plans[group]
+        except KeyError:
+            plan = self._plans[group] = self._plan(group, x)
         # On the engine's threads: pinned to one (as it was while a second OpenMP team made
         # every parallel region wait, cpu_threads.py) the step was 2.4% slower at two threads.
-        cpu.lora_segments(x, y, segments)
+        if plan is not None:
+            plan(layer, x, y)
+
+    def _plan(self, group: str, x: torch.Tensor) -> cpu.LoraPlan | None:
+        """The group's plan for this step, every layer's blocks resolved (None: no segment's
+        adapter targets the group; a layout names modules, not layers)."""
+        segments = []
+        for lo, hi, adapter in self.segments:
+            layers = adapter.groups.get(group)
+            if layers is None:
+                layers = adapter.groups[group] = cpu.GroupLayers(
+                    [self._blocks(adapter, layer, group) for layer in range(len(self.pools))])
+            if layers.targeted:
+                segments.append((lo, hi, adapter.scale, layers))
+        return cpu.LoraPlan(x.dtype, x.device, segments) if segments else None
+
+    def _blocks(self, adapter: ResidentAdapter, layer: int, group: str) -> cpu.GroupBlocks:
+        key = (layer, group)
+        blocks = adapter.blocks.get(key)
+        if blocks is None:
+            blocks = adapter.blocks[key] = self._resolve(adapter, layer, group)
+        return blocks
 
     def _resolve(self, adapter: ResidentAdapter, layer: int, group: str) -> cpu.GroupBlocks:
         # A view of the pool where a block lies in one page, else a copy (region_rows): the

@@ -94,6 +94,36 @@ def test_segment_major_matches_page_table_path_and_dense() -> None:
     assert set(adapters[1][0].blocks) == {(layer, g) for layer in range(2) for g in FUSED_GROUPS}
 
 
+def test_a_steps_plan_is_made_once_per_group_with_every_layer_resolved(monkeypatch) -> None:
+    pools = torch.randn(CONFIG.num_layers, 30, PAGE_ELEMS)
+    first, w1 = write_adapter(pools, [4, 9, 1, 7], 4, ("q_proj", "v_proj"), seed=1)
+    second, w2 = write_adapter(pools, [12, 2, 20], 2, ("o_proj",), seed=2)
+    batch = LoraBatch(CONFIG, pools, lora_ops("torch"), [first, None, second], [2, 1, 3])
+    made = []
+    plan = batch._plan
+    monkeypatch.setattr(batch, "_plan", lambda group, x: made.append(group) or plan(group, x))
+    x = torch.randn(6, 24)
+    for layer in (1, 0, 1):  # any layer first, each more than once
+        for group, width in (("qkv", 48), ("o", 24), ("down", 24)):
+            y0 = torch.randn(6, width)
+            y = y0.clone()
+            batch(layer, group, x if group != "down" else torch.randn(6, 40), y)
+            if group == "down":  # no adapter targets it: untouched
+                assert torch.equal(y, y0)
+                continue
+            expected = dense(x, y0, layer, group, [((0, 2), first, w1), ((3, 6), second, w2)])
+            torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4)
+    assert made == ["qkv", "o", "down"]
+    # the first call of a group resolved its blocks in every layer, the same objects cached
+    # per (layer, group) as before
+    for adapter in (first, second):
+        for group in ("qkv", "o", "down"):
+            layers = adapter.groups[group].layers
+            assert [adapter.blocks[layer, group] for layer in range(CONFIG.num_layers)] == \
+                list(layers)
+    assert not first.groups["o"].targeted and second.groups["o"].targeted
+
+
 def test_new_residency_resolves_its_own_pages() -> None:
     # Evicted and copied back in elsewhere, an adapter is a new ResidentAdapter: the blocks
     # cached for its old pages (now someone else's) are never used again.
