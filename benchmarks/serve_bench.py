@@ -5,7 +5,10 @@ tester (issues 21 and 22).
 The trace (issue 22): 8 adapters on q, k, v, o (rank 8 for even indices, 16 for odd) written
 once as PEFT folders: loraplex gets them uploaded over gRPC, vLLM as ``--lora-modules`` (the
 same bytes); ``--num-requests`` token-id prompts of 64-192 tokens, 48 new tokens, EOS
-ignored, adapters drawn uniformly, every request streaming. Each load point is a closed loop
+ignored, adapters drawn uniformly, every request streaming. ``--num-adapters`` and
+``--adapter-popularity`` draw from more (issue 21's N = 64 / 512 with ``zipf:1``): only the
+adapters the traces name are written and given to either system (vLLM's ``--max-loras`` is
+their number, so it never swaps one out during a run). Each load point is a closed loop
 at a ``--concurrency`` or, with ``--rates``, an open loop at a Poisson rate (req/s).
 
 Systems: ``loraplex`` (gRPC) and ``loraplex-http`` (the OpenAI API of the same server, target
@@ -58,8 +61,6 @@ from loraplex.loadtest.trace import Trace, TraceConfig, adapter_name, generate_t
 from loraplex.server import env  # noqa: E402
 from loraplex.server.engine.models.config import ModelConfig  # noqa: E402
 
-NUM_ADAPTERS = 8
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -73,6 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="8,32", help="closed-loop load points")
     p.add_argument("--rates", default="", help="open-loop load points, requests/s (Poisson)")
     p.add_argument("--num-requests", type=int, default=48)
+    p.add_argument("--num-adapters", type=int, default=8, help="adapters the trace draws from")
+    p.add_argument("--adapter-popularity", default="uniform",
+                   help="how requests pick them (zipf:1, uniform, ...: loadtest/trace.py)")
     p.add_argument("--prompt-len", default="uniform:64:192")
     p.add_argument("--output-len", type=int, default=48)
     p.add_argument("--rounds", type=int, default=1, help="interleaved rounds per loraplex phase")
@@ -130,8 +134,9 @@ class Bench:
         self.args = args
         self.path = model_path(args.model)
         config = ModelConfig.from_pretrained(self.path)
-        tc = TraceConfig(num_requests=args.num_requests, rate=float("inf"), adapters="uniform",
-                         num_adapters=NUM_ADAPTERS, prompt_len=args.prompt_len,
+        tc = TraceConfig(num_requests=args.num_requests, rate=float("inf"),
+                         adapters=args.adapter_popularity,
+                         num_adapters=args.num_adapters, prompt_len=args.prompt_len,
                          output_len=f"fixed:{args.output_len}",
                          vocab_size=min(config.vocab_size, 32000), seed=args.seed)
         self.trace = generate_trace(tc)
@@ -139,10 +144,13 @@ class Bench:
         self.warmup = generate_trace(replace(tc, num_requests=8, seed=args.seed + 1))
         root = env.cache_dir() / "loadtest" / f"adapters-serve-bench-{Path(self.path).name}"
         self.adapter_dirs: dict[str, Path] = {}
-        for i in range(NUM_ADAPTERS):  # ranks 8 and 16, alternating; written once, reused
-            self.adapter_dirs.update(ensure_adapter_dirs(
-                root, [adapter_name(i)], config, rank=8 if i % 2 == 0 else 16,
-                targets=TARGETS, seed=i))
+        used = {name for t in (self.trace, self.open_trace, self.warmup)
+                for names in t.adapters_by_tenant().values() for name in names}
+        for i in range(args.num_adapters):  # ranks 8 and 16, alternating; written once, reused
+            if adapter_name(i) in used:
+                self.adapter_dirs.update(ensure_adapter_dirs(
+                    root, [adapter_name(i)], config, rank=8 if i % 2 == 0 else 16,
+                    targets=TARGETS, seed=i))
         self.adapters = AdapterSet(root, model=self.path)
         self.runs: list[dict] = []
         self.phases: list[dict] = []
@@ -291,7 +299,8 @@ def main(argv: list[str] | None = None) -> None:
                            for k, v in vars(args).items()},
                   "commit": commit, "machine": machine_info(1),
                   "vllm": peer_version() if "vllm" in args.phases else None,
-                  "model": bench.path, "phases": bench.phases, "runs": bench.runs,
+                  "model": bench.path, "adapters_used": sorted(bench.adapter_dirs),
+                  "phases": bench.phases, "runs": bench.runs,
                   "checks": checks(bench.runs),
                   "total_s": time.monotonic() - t0}
         (args.out / "serve_bench.json").write_text(json.dumps(report, indent=2))
