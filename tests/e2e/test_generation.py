@@ -195,7 +195,9 @@ def test_cancelling_a_stream_frees_its_pages(cluster: Cluster) -> None:
         for i, _ in enumerate(stream):
             if i == 3:
                 break
-        assert cluster.stats().pages.num_kv > 0
+        # the stream holds pages (as KV, or as full pages already published to the prefix
+        # cache: which one depends on timing, so count them by what is no longer free)
+        assert cluster.stats().pages.num_free < baseline.pages.num_free
         stream.close()  # type: ignore[attr-defined]
     after = cluster.wait_idle(timeout=3.0)
     assert after.pages.num_free + after.pages.num_prefix >= baseline.pages.num_free
