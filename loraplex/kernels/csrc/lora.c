@@ -500,12 +500,12 @@ int64_t loraplex_lora_short(const void *x, int64_t x_stride, void *y, int64_t y_
                 cursor_init(&cur, next->m->b, next->m->b_stride, next->m->rank,
                             next->c0 - next->m->start, next->c1 - next->c0, next->m->dtype);
             }
-            if (rows > 2) cursor_step(&cur, 1 << 29);
-            (w->m->dtype == DT_F32 ? (rows > 2 ? expand_f32 : expand_f32_spread)
-                                   : (rows > 2 ? expand_bf16 : expand_bf16_spread))(
+            if (rows > 2) cursor_step(&cur, 1 << 29);  /* as for the shrinks */
+            cursor_t *spread = rows > 2 ? NULL : &cur;
+            (w->m->dtype == DT_F32 ? (spread ? expand_f32_spread : expand_f32)
+                                   : (spread ? expand_bf16_spread : expand_bf16))(
                 h + w->h_at, w->h_stride, rows, w->m, w->c0, w->c1, w->scale,
-                (char *)y + w->sg->lo * y_stride * elem, y_stride, io_dtype,
-                rows > 2 ? NULL : &cur);
+                (char *)y + w->sg->lo * y_stride * elem, y_stride, io_dtype, spread);
         }
     }
     free(h);
