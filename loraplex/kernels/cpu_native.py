@@ -12,7 +12,10 @@ scores in a per-thread buffer. Prefill (prompt chunks, a decode row with its dra
 by FLOPs: the torch path runs SDPA one sequence at a time (a gather, a fused kernel with its
 fixed cost, a copy out), the C kernel all of a step's sequences in one call, as
 register-blocked tiles over keys gathered once per KV head and block of 64 queries, skipping
-the causal upper triangle tile by tile.
+the causal upper triangle tile by tile. In bf16 on a CPU with AVX512-BF16 (head sizes 64 and
+128) both products run on bf16 pairs, and the softmax's terms are rounded to bf16 between them,
+as torch's SDPA does in bf16 (``prefill_rounds_bf16_probs``); elsewhere everything is float32
+arithmetic on the widened values.
 
 ``decode`` and ``prefill`` return ``False`` where they do not apply (native kernels off or
 unbuilt, a dtype other than float32/bfloat16, tensors off the CPU or strided unlike the
@@ -30,7 +33,7 @@ import torch
 from loraplex.kernels import native
 from loraplex.kernels.metadata import AttentionMetadata
 
-__all__ = ["decode", "prefill"]
+__all__ = ["decode", "prefill", "prefill_rounds_bf16_probs"]
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _ARGTYPES = [
@@ -149,6 +152,15 @@ def _in_pool(meta: AttentionMetadata, kv_pool: torch.Tensor) -> bool:
     return bool(ok)
 
 
+def prefill_rounds_bf16_probs() -> bool:
+    """Whether this machine's prefill kernel runs bf16 on pair dot products, the softmax's
+    terms ``exp(s - max)`` rounded to bf16 before ``P V`` (normalised by their float32 sum
+    after): ``reference.paged_attention(..., round_probs=True)``'s semantics. ``False`` where
+    bf16 runs in float32 arithmetic throughout, or the kernel is unavailable."""
+    lib = native.library("prefill_attention")
+    return lib is not None and bool(lib.loraplex_prefill_attention_bf16_pairs())
+
+
 def prefill(q: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetadata,
             rows: Sequence[int], starts: Sequence[int], out: torch.Tensor, page_size: int,
             num_kv_heads: int, scale: float) -> bool:
@@ -157,7 +169,9 @@ def prefill(q: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetadata,
     Semantics: ``reference.paged_attention`` for those sequences: query ``a`` of sequence ``s``
     (row ``starts[s] + a``, ``n = q_lens[s]``, ``L = seq_lens[s]``) sits at position
     ``L - n + a`` and attends to positions ``0 .. L - n + a`` of its pages; scores, softmax
-    and sums in float32, rounded once to ``q``'s dtype. Slots at or past ``L`` are never read.
+    and sums in float32, rounded once to ``q``'s dtype (in bf16 where
+    ``prefill_rounds_bf16_probs()``, the softmax's terms rounded to bf16 before ``P V``, as in
+    ``reference.paged_attention(..., round_probs=True)``). Slots at or past ``L`` are never read.
 
     Args: as ``decode``'s, with ``rows`` the sequences of ``q_lens[s] > 1``.
     Returns:

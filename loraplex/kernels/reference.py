@@ -35,7 +35,8 @@ def write_kv(kv_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def paged_attention(q: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetadata,
-                    page_size: int, num_kv_heads: int, scale: float) -> torch.Tensor:
+                    page_size: int, num_kv_heads: int, scale: float, *,
+                    round_probs: torch.dtype | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged KV (GQA).
 
     Semantics, for sequence ``s`` with ``n = q_len[s]``, ``L = seq_lens[s]`` and K/V the first
@@ -47,6 +48,10 @@ def paged_attention(q: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetad
         q: ``[T, num_heads, head_dim]``.
         kv_pool: ``[num_pages, page_elems]`` one layer's pool, K/V already written.
         meta: the step's ``AttentionMetadata``.
+        round_probs: ``None``, or a dtype (bf16) that the softmax's terms ``exp(s - max)``
+            are rounded to before the product with ``V``, normalised by their float32 sum
+            after: the bf16 prefill kernel on pair dot products (``cpu_native.prefill``), as
+            torch's SDPA rounds its probabilities in bf16.
     Returns:
         ``[T, num_heads, head_dim]`` in ``q``'s dtype.
     """
@@ -65,7 +70,12 @@ def paged_attention(q: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetad
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale  # [Hq, n, L]
         q_pos = torch.arange(length - n, length, device=q.device)[:, None]
         future = torch.arange(length, device=q.device)[None, :] > q_pos  # [n, L]
-        probs = scores.masked_fill(future, float("-inf")).softmax(-1)
+        scores = scores.masked_fill(future, float("-inf"))
+        if round_probs is None:
+            probs = scores.softmax(-1)
+        else:
+            terms = (scores - scores.amax(-1, keepdim=True)).exp()
+            probs = terms.to(round_probs).float() / terms.sum(-1, keepdim=True)
         out[start:start + n] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
         start += n
     return out

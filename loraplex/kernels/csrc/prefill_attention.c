@@ -1,6 +1,8 @@
 /* Paged prefill attention for the CPU backend: every sequence of a step with more than one
  * query row (a prompt chunk, or a decode row with its speculative drafts), causal, K and V
- * read from the pool through the page table, float32 arithmetic.
+ * read from the pool through the page table, float32 arithmetic (bf16 with AVX512-BF16 at head
+ * sizes 64 and 128: both products on bf16 pairs, the probabilities rounded to bf16 in between,
+ * as torch's SDPA does; the section on pair dot products below).
  *
  * Semantics, for prefill sequence i (query rows q_starts[i] .. q_starts[i] + n - 1 with
  * n = q_lens[i], table row t = table_rows[i], KV length L = seq_lens[i] once this step's K/V
@@ -200,6 +202,243 @@ INLINE void task_body(const Call *c, int64_t task, float *buf, int bf16, const i
     }
 }
 
+#if VW == 16 && defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* ---- bf16 on AVX512-BF16's pair dot products (vdpbf16ps), head sizes 64 and 128 ------------
+ *
+ * The same task, with both products on bf16 pairs: each float32 lane += a[2j] b[2j] + a[2j + 1]
+ * b[2j + 1], the bf16 products exact (bf16 denormal inputs count as zero). Scores: q's element
+ * pairs (broadcast) against the keys gathered as element pairs in tiles of KTILE keys ([D / 2,
+ * KTILE] per tile, a key's pair j in lane p of row j: 16 x 16 blocks transposed in registers),
+ * so one instruction adds two of D's terms to 16 scores; masked to -inf past each row's own
+ * keys, their maximum taken in the same pass. Softmax in float32 (exp as above), its sum over
+ * the float32 terms; the terms rounded to bf16 (torch's SDPA in bf16 rounds its probabilities
+ * the same way before its second product) and out = P V on pairs of keys, the values gathered
+ * as [L' / 2, D] pairs of rows (two keys' element d side by side), each output vector one
+ * instruction per two keys, P's key pair broadcast; normalised and rounded to bf16 once.
+ * Against the float32-arithmetic tiles above (which widen every element first): 1.8-2.0x on
+ * SmolLM2's prefill shapes on a Zen 4 core (docs/benchmarks.md). */
+#include <immintrin.h>
+#define HAVE_DPBF16 1
+
+INLINE __m512 dp(__m512 acc, __m512i a, __m512i b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+
+INLINE uint32_t load_pair(const uint16_t *p) {
+    uint32_t u;
+    memcpy(&u, p, sizeof u);
+    return u;
+}
+
+/* r[i] lane j -> r[j] lane i, 32-bit elements (four rounds of in-register shuffles) */
+INLINE void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 4) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+        t[i + 2] = _mm512_unpacklo_epi32(r[i + 2], r[i + 3]);
+        t[i + 3] = _mm512_unpackhi_epi32(r[i + 2], r[i + 3]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 16; i += 8)
+        for (int j = 0; j < 4; j++) {
+            t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+            t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+        r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+    }
+}
+
+/* Keys 0 .. nk - 1 of KV head h as element pairs in tiles of KTILE keys, kp[(p / KTILE * D / 2
+ * + j) * KTILE + p % KTILE] = K[p][2j .. 2j + 1] (zero from nk to ldk), transposed 16 keys x 16
+ * pairs at a time in registers; and their values as key pairs, vp[(p / 2) * 2D + 2d + p % 2] =
+ * V[p][d] (the odd key count's last pair padded with zero). */
+INLINE void gather_pairs(const Call *c, const int32_t *pages, int64_t nk, int64_t ldk, int h,
+                         const int D, uint32_t *restrict kp, uint16_t *restrict vp) {
+    const int64_t row = (int64_t)c->Hkv * D;
+    const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10,
+                                            41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3,
+                                            34, 2, 33, 1, 32, 0);
+    const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+    for (int64_t p0 = 0; p0 < ldk; p0 += 16) {
+        const uint16_t *k[16];
+        for (int e = 0; e < 16; e++) {
+            const int64_t p = p0 + e;
+            if (p < nk) {
+                const int64_t page = pages[p / c->P], slot = p % c->P;
+                k[e] = (const uint16_t *)c->pool + (page * 2 * c->P + slot) * row + (int64_t)h * D;
+            } else {
+                k[e] = NULL;
+            }
+        }
+        /* values: pairs of keys side by side */
+        for (int e = 0; e < 16 && p0 + e < nk; e += 2) {
+            const uint16_t *v0 = k[e] + (int64_t)c->P * row;
+            const uint16_t *v1 = k[e + 1] != NULL ? k[e + 1] + (int64_t)c->P * row : NULL;
+            uint16_t *out = vp + (p0 + e) * D;
+            for (int d = 0; d < D; d += 32) {
+                const __m512i r0 = _mm512_loadu_si512(v0 + d);
+                const __m512i r1 = v1 != NULL ? _mm512_loadu_si512(v1 + d) : _mm512_setzero_si512();
+                _mm512_storeu_si512(out + 2 * d, _mm512_permutex2var_epi16(r0, lo_idx, r1));
+                _mm512_storeu_si512(out + 2 * d + 32, _mm512_permutex2var_epi16(r0, hi_idx, r1));
+            }
+        }
+        /* keys: 16 keys x 16 pairs transposed at a time */
+        uint32_t *tile = kp + p0 / KTILE * KTILE * (D / 2) + p0 % KTILE;
+        for (int j0 = 0; j0 < D / 2; j0 += 16) {
+            __m512i r[16];
+            for (int e = 0; e < 16; e++)
+                r[e] = k[e] != NULL ? _mm512_loadu_si512(k[e] + 2 * j0) : _mm512_setzero_si512();
+            transpose16(r);
+            for (int j = 0; j < 16; j++) _mm512_storeu_si512(tile + (j0 + j) * KTILE, r[j]);
+        }
+    }
+}
+
+/* lanes lo .. lo + 15 of a row that sees keys < lim: those under lim */
+INLINE __mmask16 live_lanes(int64_t lim, int64_t lo) {
+    const int64_t n = lim - lo;
+    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
+
+/* NR (1 or RB) query rows q[r] (bf16, D elements) with key limits lim[r]: their attention
+ * outputs into o[r * D ..], float32. s: NR * ldk floats, pb: NR * ldk bf16. */
+INLINE void rows_attend_dp(const uint16_t *const *q, const int64_t *lim, const int NR,
+                           const int D, const uint32_t *restrict kp, int64_t ldk,
+                           const uint16_t *restrict vp, float scale, float *restrict s,
+                           uint16_t *restrict pb, float *restrict o) {
+    const int64_t top = lim[NR - 1], tiles = (top + KTILE - 1) / KTILE;
+    __m512 vm[RB];
+    for (int r = 0; r < NR; r++) vm[r] = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < tiles; t++) {
+        __m512 acc[RB][2];
+        for (int r = 0; r < NR; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        const uint32_t *col = kp + t * KTILE * (D / 2);
+        for (int j = 0; j < D / 2; j++) {
+            const __m512i k0 = _mm512_loadu_si512(col + j * KTILE);
+            const __m512i k1 = _mm512_loadu_si512(col + j * KTILE + 16);
+            for (int r = 0; r < NR; r++) {
+                const __m512i qj = _mm512_set1_epi32((int)load_pair(q[r] + 2 * j));
+                acc[r][0] = dp(acc[r][0], qj, k0);
+                acc[r][1] = dp(acc[r][1], qj, k1);
+            }
+        }
+        const __m512 ninf = _mm512_set1_ps(-INFINITY);
+        for (int r = 0; r < NR; r++) {
+            for (int e = 0; e < 2; e++) {
+                const int64_t lo = t * KTILE + 16 * e;
+                const __m512 x = _mm512_mask_mov_ps(ninf, live_lanes(lim[r], lo),
+                                                    _mm512_mul_ps(acc[r][e], _mm512_set1_ps(scale)));
+                _mm512_storeu_ps(s + r * ldk + lo, x);
+                vm[r] = _mm512_max_ps(vm[r], x);
+            }
+        }
+    }
+    /* exact softmax per row over its own keys (the rest -inf, so exp gives 0), in float32;
+     * the probabilities rounded to bf16 for P V, the sum taken before the rounding */
+    float inv[RB];
+    for (int r = 0; r < NR; r++) {
+        const float *sr = s + r * ldk;
+        /* a NaN score (which the maximum may drop) still poisons the row through the sum */
+        const vwf m = (vwf)_mm512_set1_ps(_mm512_reduce_max_ps(vm[r]));
+        vwf vs = {0};
+        uint16_t *pr = pb + r * ldk;
+        for (int64_t p = 0; p < tiles * KTILE; p += KTILE) {
+            const vwf x0 = expw(loadw(sr + p) - m), x1 = expw(loadw(sr + p + 16) - m);
+            vs += x0 + x1;
+            _mm512_storeu_si512(pr + p, (__m512i)_mm512_cvtne2ps_pbh((__m512)x1, (__m512)x0));
+        }
+        inv[r] = 1.0f / hsumw(vs);
+    }
+    /* out = P V, PB rows x 64 columns at a time, over key pairs (P's pad key is 0) */
+    const int NP = NR < PB ? NR : PB;
+    for (int r0 = 0; r0 < NR; r0 += NP) {
+        const int64_t pairs = (lim[r0 + NP - 1] + 1) / 2;
+        for (int c0 = 0; c0 < D; c0 += 64) {
+            __m512 acc[PB][4];
+            for (int r = 0; r < NP; r++)
+                for (int e = 0; e < 4; e++) acc[r][e] = _mm512_setzero_ps();
+            for (int64_t jp = 0; jp < pairs; jp++) {
+                const uint16_t *vr = vp + jp * 2 * D + 2 * c0;
+                __m512i ve[4];
+                for (int e = 0; e < 4; e++) ve[e] = _mm512_loadu_si512(vr + 32 * e);
+                for (int r = 0; r < NP; r++) {
+                    const __m512i pj =
+                        _mm512_set1_epi32((int)load_pair(pb + (r0 + r) * ldk + 2 * jp));
+                    for (int e = 0; e < 4; e++) acc[r][e] = dp(acc[r][e], pj, ve[e]);
+                }
+            }
+            for (int r = 0; r < NP; r++)
+                for (int e = 0; e < 4; e++)
+                    _mm512_storeu_ps(o + (r0 + r) * D + c0 + 16 * e,
+                                     _mm512_mul_ps(acc[r][e], _mm512_set1_ps(inv[r0 + r])));
+        }
+    }
+}
+
+/* n floats of o into bf16 at out, as f32_to_bf16 rounds (ties to even, NaN to 0x7FC0) */
+INLINE void round_row(const float *restrict o, uint16_t *restrict out, const int n) {
+    for (int d = 0; d < n; d += 16) {
+        const __m512i u = _mm512_loadu_si512(o + d);
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        __m512i r = _mm512_srli_epi32(
+            _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+        const __m512 f = _mm512_castsi512_ps(u);
+        r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q),
+                                  _mm512_set1_epi32(0x7FC0));
+        _mm256_storeu_si256((__m256i *)(out + d), _mm512_cvtepi32_epi16(r));
+    }
+}
+
+/* The bf16 task on pair dot products: as task_body's, for D 64 or 128. buf as there (the pair
+ * buffers take half the floats of the widened ones). */
+INLINE void task_body_dp(const Call *c, int64_t task, float *buf, const int D) {
+    const int h = (int)(task % c->Hkv);
+    const int64_t block = task / c->Hkv, i = c->task_seq[block], a0 = c->task_q0[block];
+    const int64_t n = c->q_lens[i], L = c->seq_lens[i];
+    const int64_t na = n - a0 < QBLOCK ? n - a0 : QBLOCK;
+    const int64_t nk = L - n + a0 + na;
+    const int64_t ldk = (nk + KTILE - 1) / KTILE * KTILE;
+    const int64_t ldmax = (c->max_keys + KTILE - 1) / KTILE * KTILE;
+    uint32_t *kp = (uint32_t *)buf;                     /* D / 2 x ldmax pairs */
+    uint16_t *vp = (uint16_t *)(kp + (int64_t)D / 2 * ldmax); /* ldmax x D bf16 */
+    float *s = (float *)(vp + ldmax * D);               /* RB x ldmax */
+    uint16_t *pb = (uint16_t *)(s + RB * ldmax);        /* RB x ldmax bf16 */
+    float *o = (float *)(pb + RB * ldmax);              /* RB x D */
+    gather_pairs(c, c->page_table + c->table_rows[i] * c->table_stride, nk, ldk, h, D, kp, vp);
+    for (int g = 0; g < c->G; g++) {
+        const int64_t head = (int64_t)(h * c->G + g) * D;
+        for (int64_t a = 0; a < na;) {
+            const int nr = na - a >= RB ? RB : 1;
+            int64_t lim[RB];
+            const uint16_t *qr[RB];
+            for (int r = 0; r < nr; r++) {
+                const int64_t row = c->q_starts[i] + a0 + a + r;
+                qr[r] = (const uint16_t *)c->q + row * c->q_stride + head;
+                lim[r] = L - n + a0 + a + r + 1;
+            }
+            if (nr == RB) {
+                rows_attend_dp(qr, lim, RB, D, kp, ldk, vp, c->scale, s, pb, o);
+            } else {
+                rows_attend_dp(qr, lim, 1, D, kp, ldk, vp, c->scale, s, pb, o);
+            }
+            for (int r = 0; r < nr; r++) {
+                const int64_t row = c->q_starts[i] + a0 + a + r;
+                round_row(o + r * D, (uint16_t *)c->out + row * c->out_stride + head, D);
+            }
+            a += nr;
+        }
+    }
+}
+#endif
+
 typedef void (*TaskFn)(const Call *, int64_t, float *);
 
 #define SPECIALISE(NAME, BF16, DIM)                                                        \
@@ -208,14 +447,33 @@ typedef void (*TaskFn)(const Call *, int64_t, float *);
     }
 SPECIALISE(task_f32_d64, 0, 64)
 SPECIALISE(task_f32_d128, 0, 128)
+#ifdef HAVE_DPBF16
+static void task_bf16_d64(const Call *c, int64_t task, float *buf) {
+    task_body_dp(c, task, buf, 64);
+}
+static void task_bf16_d128(const Call *c, int64_t task, float *buf) {
+    task_body_dp(c, task, buf, 128);
+}
+#else
 SPECIALISE(task_bf16_d64, 1, 64)
 SPECIALISE(task_bf16_d128, 1, 128)
+#endif
 
 /* Any other multiple of 16 up to 256: one specialisation with D known only at run time (its
  * P V accumulators an array in L1, not registers). One per size compiled for minutes with AVX2
  * (32 instances of the tile loops) for head sizes no model the engine serves uses. */
 SPECIALISE(task_f32_any, 0, c->D)
 SPECIALISE(task_bf16_any, 1, c->D)
+
+/* 1 if bf16 runs on pair dot products (probabilities rounded to bf16 before P V), 0 if in
+ * float32 arithmetic throughout (the tests hold each to its own semantics) */
+int loraplex_prefill_attention_bf16_pairs(void) {
+#ifdef HAVE_DPBF16
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* dtype: 0 float32, 1 bfloat16. Returns 0 on success, 1 if a buffer could not be allocated
  * (some rows then unwritten: the caller runs its torch path), 2 for a bad argument (an unknown
