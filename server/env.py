@@ -42,6 +42,13 @@ def fma_gemm() -> str:
     return "auto"
 
 
+def bf16_gemm() -> bool:
+    """``LORAPLEX_BF16_GEMM``: ``0`` keeps bf16 projections on oneDNN's GEMM instead of the pair
+    dot product GEMM (``loraplex/kernels/cpu_gemm``; CPUs with AVX512-BF16 and no AMX)."""
+    return os.environ.get("LORAPLEX_BF16_GEMM", "1").strip().lower() not in (
+        "0", "false", "no", "off")
+
+
 def get(name: str, default: str | None = None) -> str | None:
     """``LORAPLEX_<NAME>`` or ``default``: the environment half of a CLI flag."""
     return os.environ.get(f"LORAPLEX_{name.upper()}", default)

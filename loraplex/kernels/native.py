@@ -40,7 +40,7 @@ __all__ = ["ENGINE_KERNELS", "available", "build_engine_kernels", "library"]
 
 _SOURCES = Path(__file__).with_name("csrc")
 # the kernels the CPU engine calls: built when a CPU model runner starts, not on a request
-ENGINE_KERNELS = ("decode_attention", "elementwise", "gemm_amx", "gemm_fma", "lora",
+ENGINE_KERNELS = ("decode_attention", "elementwise", "gemm_amx", "gemm_bf16", "gemm_fma", "lora",
                   "prefill_attention")
 _FLAGS = ("-O3", "-march=native", "-std=c11", "-fPIC", "-shared", "-fopenmp",
           "-fno-math-errno", "-Wall")

@@ -94,7 +94,7 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
 
 class LayerTiles(NamedTuple):
     """A layer's four projections in the native GEMM's panel order
-    (``loraplex/kernels/cpu_gemm.pack``: AMX tiles or FMA vectors)."""
+    (``loraplex/kernels/cpu_gemm.pack``: AMX tiles or FMA vectors, bf16 pair panels)."""
 
     qkv: cpu_gemm.PackedWeight
     o: cpu_gemm.PackedWeight
@@ -106,7 +106,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            tiles: cpu_gemm.PackedWeight | None = None) -> torch.Tensor:
     """``x @ weight^T + bias`` for a dense or a ``pack_linear`` weight, or, given ``tiles``
     (the same weight in ``cpu_gemm.pack``'s form; ``weight`` is then only its shape), on the
-    native GEMM (AMX or FMA)."""
+    native GEMM (AMX or FMA in float32, pair dot products in bf16)."""
     if tiles is not None:
         return cpu_gemm.linear(x if x.stride(-1) == 1 else x.contiguous(), tiles, bias)
     if weight.is_mkldnn:
@@ -156,12 +156,16 @@ class LlamaModel:
         self.rope = RotaryEmbedding(config, self.dtype, self.device)
         self.scale = config.head_dim ** -0.5
         self.act = ACTIVATIONS[config.hidden_act]
-        # float32 where cpu_gemm has a kernel (AMX tiles; FMA vectors on AVX2): every
-        # projection on it, its weights rearranged once and the dense copies dropped (kept as
-        # "meta" tensors: their shapes, no memory); a tied lm_head stays the embedding
+        # float32 where cpu_gemm has a kernel (AMX tiles; FMA vectors on AVX2), bf16 where it
+        # has its pair dot product one (AVX512-BF16 without AMX): every projection on it, its
+        # weights rearranged once and the dense copies dropped (kept as "meta" tensors: their
+        # shapes, no memory); a tied lm_head stays the embedding
         self.tiles: list[LayerTiles] | None = None
         self.lm_head_tiles: cpu_gemm.PackedWeight | None = None
-        if self.dtype == torch.float32 and self.device.type == "cpu" and cpu_gemm.enabled():
+        native_gemm = self.device.type == "cpu" and (
+            (self.dtype == torch.float32 and cpu_gemm.enabled())
+            or (self.dtype == torch.bfloat16 and cpu_gemm.bf16_enabled()))
+        if native_gemm:
             self.tiles = []
             for w in layers:
                 self.tiles.append(LayerTiles(cpu_gemm.pack(w.qkv), cpu_gemm.pack(w.o),

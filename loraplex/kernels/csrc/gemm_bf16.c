@@ -1,0 +1,177 @@
+/* bf16 GEMMs on prepacked weights, on AVX512-BF16's pair dot products (vdpbf16ps): the CPU
+ * engine's bf16 projections on CPUs with AVX512-BF16 but no AMX (Zen 4, Zen 5), where oneDNN's
+ * bf16 GEMM runs on the same instructions.
+ *
+ * Semantics: y[i, n] = bf16(sum_k x[i, k] W[n, k] + bias[n]) for i < rows, n < d_out: x, W,
+ * bias and y bf16, the products exact (bf16 x bf16 fits float32) and summed in float32, two
+ * depth elements at a time, the bias added in float32, one rounding (vcvtneps2bf16: to nearest
+ * even, NaN kept quiet; bf16 denormal inputs count as zero and a float32 sum under 2^-126 in
+ * magnitude becomes zero, as in oneDNN's bf16 kernels without AMX). Another summation order
+ * than oneDNN's: results within a bf16 rounding of each other, not bit for bit.
+ *
+ * Packed weight: 16-column panels, each [ceil(d_in / 2)] depth pairs of 16 columns x 2 depths,
+ * packed[(p * KP + kp) * 32 + 2 l + e] = W[16 p + l, 2 kp + e] (zero past d_out and d_in): one
+ * 64-byte vector per panel and depth pair, the operand vdpbf16ps takes against a broadcast pair
+ * of x. Tiles of MR rows x NR panels keep MR * NR float32 accumulators in registers (4 x 6:
+ * 24 of AVX-512's 32, the rest for the 6 weight vectors); depth in chunks of KC pairs (the
+ * panels' chunk stays in L2 for every row of a group of MC rows), partial sums of a chunk
+ * kept in a per-thread buffer. Tasks (NR panels x MC rows) split between threads.
+ *
+ * Measured against oneDNN's prepacked bf16 GEMM (torch.ops.mkldnn._linear_pointwise) at
+ * SmolLM2's shapes on a Zen 4 core: 1.4-2.0x on one row, 1.1-1.2x on 32 (a decode step),
+ * 1.0x on 1536 (a prefill chunk): docs/benchmarks.md.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define HAVE_DPBF16 1
+#include <immintrin.h>
+#endif
+
+#define MR 4    /* rows of a register tile */
+#define NR 6    /* 16-column panels of a register tile */
+#define KC 512  /* depth pairs of a chunk */
+#define MC 64   /* rows of a task */
+
+/* 1 if this build has the kernel (the CPU has AVX512-BF16 and AVX512-BW), else 0 */
+int loraplex_bf16_gemm_available(void) {
+#ifdef HAVE_DPBF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int64_t loraplex_bf16_packed_elems(int64_t d_out, int64_t d_in) {
+    return (d_out + 15) / 16 * ((d_in + 1) / 2) * 32;
+}
+
+/* packed (packed_elems(d_out, d_in) bf16) from w [d_out, d_in] bf16 with row stride ws */
+void loraplex_bf16_pack(const uint16_t *w, int64_t ws, int64_t d_out, int64_t d_in,
+                        uint16_t *packed, int threads) {
+    const int64_t kps = (d_in + 1) / 2, panels = (d_out + 15) / 16;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t kp = 0; kp < kps; kp++) {
+            uint16_t *out = packed + (p * kps + kp) * 32;
+            for (int l = 0; l < 16; l++)
+                for (int e = 0; e < 2; e++) {
+                    const int64_t n = 16 * p + l, k = 2 * kp + e;
+                    out[2 * l + e] = n < d_out && k < d_in ? w[n * ws + k] : 0;
+                }
+        }
+}
+
+#ifdef HAVE_DPBF16
+static inline uint32_t load_pair(const uint16_t *p) {
+    uint32_t u;
+    memcpy(&u, p, sizeof u);
+    return u;
+}
+
+/* acc[r][c] += x rows' pairs K0 .. K1 - 1 against panel c (b: panel 0's pair 0, panels kps
+ * pairs apart); mr <= MR rows, np <= NR panels; FULL: mr == MR and np == NR (unrolled). PAIR:
+ * the row's pair kp as a 32-bit value. */
+#define TILE_LOOP(FULL, K0, K1, PAIR)                                                      \
+    for (int64_t kp = (K0); kp < (K1); kp++) {                                             \
+        __m512i bv[NR];                                                                    \
+        for (int c = 0; c < (FULL ? NR : np); c++)                                         \
+            bv[c] = _mm512_loadu_si512(b + (c * kps + kp) * 32);                           \
+        for (int r = 0; r < (FULL ? MR : mr); r++) {                                       \
+            const __m512i a = _mm512_set1_epi32((int)(PAIR));                              \
+            for (int c = 0; c < (FULL ? NR : np); c++)                                     \
+                acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a, (__m512bh)bv[c]);     \
+        }                                                                                  \
+    }
+
+/* One task: panels p0 .. p0 + np - 1 (np <= NR) for rows m0 .. m1 - 1 (at most MC), every
+ * depth chunk; buf: MC x NR x 16 floats of partial sums between chunks. */
+static void task(const uint16_t *x, int64_t xs, const uint16_t *packed, const uint16_t *bias,
+                 uint16_t *y, int64_t ys, int64_t m0, int64_t m1, int64_t p0, int np,
+                 int64_t d_out, int64_t d_in, float *buf) {
+    const int64_t kps = (d_in + 1) / 2;
+    const int64_t chunks = (kps + KC - 1) / KC, per = (kps + chunks - 1) / chunks;
+    const uint16_t *b = packed + p0 * kps * 32;
+    for (int64_t k0 = 0; k0 < kps; k0 += per) {
+        const int64_t k1 = k0 + per < kps ? k0 + per : kps;
+        const int first = k0 == 0, last = k1 == kps;
+        for (int64_t i = m0; i < m1; i += MR) {
+            const int mr = m1 - i < MR ? (int)(m1 - i) : MR;
+            const uint16_t *xr[MR];
+            for (int r = 0; r < MR; r++) xr[r] = x + (i + (r < mr ? r : 0)) * xs;
+            float *part = buf + (i - m0) * NR * 16;
+            __m512 acc[MR][NR];
+            for (int r = 0; r < MR; r++)
+                for (int c = 0; c < NR; c++)
+                    acc[r][c] = first || r >= mr || c >= np
+                                    ? _mm512_setzero_ps()
+                                    : _mm512_loadu_ps(part + (r * NR + c) * 16);
+            /* pairs inside the row; an odd d_in's last element alone (never the one past it) */
+            const int64_t kin = k1 < d_in / 2 ? k1 : d_in / 2;
+            if (mr == MR && np == NR) {
+                TILE_LOOP(1, k0, kin, load_pair(xr[r] + 2 * kp))
+            } else {
+                TILE_LOOP(0, k0, kin, load_pair(xr[r] + 2 * kp))
+            }
+            TILE_LOOP(0, kin, k1, xr[r][2 * kp])
+            for (int r = 0; r < mr; r++)
+                for (int c = 0; c < np; c++) {
+                    if (!last) {
+                        _mm512_storeu_ps(part + (r * NR + c) * 16, acc[r][c]);
+                        continue;
+                    }
+                    const int64_t n0 = (p0 + c) * 16, left = d_out - n0;
+                    const __mmask16 mk = left >= 16 ? (__mmask16)0xFFFF
+                                                    : (__mmask16)((1u << left) - 1);
+                    __m512 sum = acc[r][c];
+                    if (bias != NULL) {
+                        const __m256i bb = _mm256_maskz_loadu_epi16(mk, bias + n0);
+                        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(
+                                                     _mm512_slli_epi32(_mm512_cvtepu16_epi32(bb), 16)));
+                    }
+                    _mm256_mask_storeu_epi16(y + (i + r) * ys + n0, mk,
+                                             (__m256i)_mm512_cvtneps_pbh(sum));
+                }
+        }
+    }
+}
+#endif
+
+/* y [rows, d_out] (row stride ys) = x [rows, d_in] (row stride xs) @ W^T + bias (NULL: none),
+ * W packed by loraplex_bf16_pack. Returns 0, or 1 where the build has no kernel
+ * (loraplex_bf16_gemm_available), 2 where a per-thread buffer could not be allocated (y then
+ * partly unwritten). */
+int loraplex_bf16_linear(const uint16_t *x, int64_t xs, const uint16_t *packed,
+                         const uint16_t *bias, uint16_t *y, int64_t ys, int64_t rows,
+                         int64_t d_out, int64_t d_in, int threads) {
+#ifndef HAVE_DPBF16
+    (void)x, (void)xs, (void)packed, (void)bias, (void)y, (void)ys, (void)rows, (void)d_out,
+        (void)d_in, (void)threads;
+    return 1;
+#else
+    if (rows <= 0 || d_out <= 0) return 0;
+    const int64_t panels = (d_out + 15) / 16, groups = (panels + NR - 1) / NR;
+    const int64_t row_groups = (rows + MC - 1) / MC, tasks = groups * row_groups;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && tasks > 1)
+    {
+        float *buf = malloc(sizeof(float) * MC * NR * 16);
+        if (buf == NULL) {
+#pragma omp atomic write
+            failed = 2;
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            if (buf == NULL) continue;
+            const int64_t g = t % groups, m0 = t / groups * MC;
+            const int64_t m1 = m0 + MC < rows ? m0 + MC : rows;
+            const int np = panels - g * NR < NR ? (int)(panels - g * NR) : NR;
+            task(x, xs, packed, bias, y, ys, m0, m1, g * NR, np, d_out, d_in, buf);
+        }
+        free(buf);
+    }
+    return failed;
+#endif
+}
