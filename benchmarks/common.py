@@ -179,7 +179,7 @@ def gemm_throughput(dtype: torch.dtype, m: int = 1024, k: int = 1024, n: int = 5
     """FLOP/s of ``[m, k] @ [n, k]^T`` in ``dtype`` (the shape of a fused gate/up projection),
     through ``F.linear`` and, where they run, oneDNN on a prepacked weight and, in float32, the
     native GEMM where the engine runs one (``cpu_gemm.backend()``: AMX tiles or FMA panels;
-    loraplex's CPU paths);
+    in bf16 the pair dot product GEMM where ``cpu_gemm.bf16_enabled()``: loraplex's CPU paths);
     ``best`` is the machine's figure for the roofline."""
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(m, k, generator=gen).to(dtype)
@@ -196,6 +196,10 @@ def gemm_throughput(dtype: torch.dtype, m: int = 1024, k: int = 1024, n: int = 5
             tiles = cpu_gemm.pack(w)
             out[f"{kind}_native"] = flops / _best_time(lambda: cpu_gemm.linear(a, tiles),
                                                        repeats)
+        if dtype == torch.bfloat16 and cpu_gemm.bf16_enabled():  # the engine's bf16 GEMM
+            bf16_tiles = cpu_gemm.pack(w)
+            out["bf16_native"] = flops / _best_time(lambda: cpu_gemm.linear(a, bf16_tiles),
+                                                    repeats)
     out["best"] = max(out.values())
     return out
 
