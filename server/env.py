@@ -5,6 +5,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+_OFF = ("0", "false", "no", "off")
+_ON = ("1", "true", "yes", "on")
+
+
+def _switch(name: str, default: str = "1") -> str:
+    """``LORAPLEX_<name>``, stripped and lower-cased (``default`` where unset)."""
+    return os.environ.get(f"LORAPLEX_{name}", default).strip().lower()
+
 
 def cache_dir() -> Path:
     """``LORAPLEX_CACHE_DIR``: where the demo model and other built artefacts live."""
@@ -19,25 +27,23 @@ def data_dir() -> Path:
 
 def native_kernels() -> bool:
     """``LORAPLEX_NATIVE_KERNELS``: ``0`` turns the compiled C CPU kernels off (torch ops only)."""
-    return os.environ.get("LORAPLEX_NATIVE_KERNELS", "1").strip().lower() not in (
-        "0", "false", "no", "off")
+    return _switch("NATIVE_KERNELS") not in _OFF
 
 
 def amx_gemm() -> bool:
     """``LORAPLEX_AMX_GEMM``: ``0`` keeps float32 projections on oneDNN's GEMM instead of the
     AMX tile GEMM (``loraplex/kernels/cpu_gemm``)."""
-    return os.environ.get("LORAPLEX_AMX_GEMM", "1").strip().lower() not in (
-        "0", "false", "no", "off")
+    return _switch("AMX_GEMM") not in _OFF
 
 
 def fma_gemm() -> str:
     """``LORAPLEX_FMA_GEMM``: ``auto`` (the default) runs float32 projections on the FMA GEMM
     (``loraplex/kernels/cpu_gemm``) on CPUs without AMX where it was measured faster than oneDNN
     (x86 with AVX2 and FMA but not AVX-512); ``1`` on any CPU without AMX; ``0`` never."""
-    value = os.environ.get("LORAPLEX_FMA_GEMM", "auto").strip().lower()
-    if value in ("0", "false", "no", "off"):
+    value = _switch("FMA_GEMM", "auto")
+    if value in _OFF:
         return "off"
-    if value in ("1", "true", "yes", "on"):
+    if value in _ON:
         return "on"
     return "auto"
 
@@ -45,8 +51,7 @@ def fma_gemm() -> str:
 def bf16_gemm() -> bool:
     """``LORAPLEX_BF16_GEMM``: ``0`` keeps bf16 projections on oneDNN's GEMM instead of the pair
     dot product GEMM (``loraplex/kernels/cpu_gemm``; CPUs with AVX512-BF16 and no AMX)."""
-    return os.environ.get("LORAPLEX_BF16_GEMM", "1").strip().lower() not in (
-        "0", "false", "no", "off")
+    return _switch("BF16_GEMM") not in _OFF
 
 
 def get(name: str, default: str | None = None) -> str | None:

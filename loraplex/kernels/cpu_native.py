@@ -155,8 +155,8 @@ def _in_pool(meta: AttentionMetadata, kv_pool: torch.Tensor) -> bool:
 def prefill_rounds_bf16_probs() -> bool:
     """Whether this machine's prefill kernel runs bf16 on pair dot products, the softmax's
     terms ``exp(s - max)`` rounded to bf16 before ``P V`` (normalised by their float32 sum
-    after): ``reference.paged_attention(..., round_probs=True)``'s semantics. ``False`` where
-    bf16 runs in float32 arithmetic throughout, or the kernel is unavailable."""
+    after): ``reference.paged_attention(..., round_probs=torch.bfloat16)``'s semantics.
+    ``False`` where bf16 runs in float32 arithmetic throughout, or the kernel is unavailable."""
     lib = native.library("prefill_attention")
     return lib is not None and bool(lib.loraplex_prefill_attention_bf16_pairs())
 
@@ -171,7 +171,8 @@ def prefill(q: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetadata,
     ``L - n + a`` and attends to positions ``0 .. L - n + a`` of its pages; scores, softmax
     and sums in float32, rounded once to ``q``'s dtype (in bf16 where
     ``prefill_rounds_bf16_probs()``, the softmax's terms rounded to bf16 before ``P V``, as in
-    ``reference.paged_attention(..., round_probs=True)``). Slots at or past ``L`` are never read.
+    ``reference.paged_attention(..., round_probs=torch.bfloat16)``). Slots at or past ``L``
+    are never read.
 
     Args: as ``decode``'s, with ``rows`` the sequences of ``q_lens[s] > 1``.
     Returns:
