@@ -18,17 +18,14 @@
  * kept in a per-thread buffer. Tasks (NR panels x MC rows) split between threads.
  *
  * Measured against oneDNN's prepacked bf16 GEMM (torch.ops.mkldnn._linear_pointwise) at
- * SmolLM2's shapes on a Zen 4 core: 1.4-2.0x on one row, 1.1-1.2x on 32 (a decode step),
- * 1.0x on 1536 (a prefill chunk): docs/benchmarks.md.
+ * SmolLM2's shapes on a Zen 4 core: 1.3-2.2x on one row, 1.1-1.2x on 32 (a decode step),
+ * 0.97-1.03x on 1536 (a prefill chunk): docs/benchmarks.md.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define HAVE_DPBF16 1
-#include <immintrin.h>
-#endif
+#include "bf16_pairs.h"
 
 #define MR 4    /* rows of a register tile */
 #define NR 6    /* 16-column panels of a register tile */
@@ -65,12 +62,6 @@ void loraplex_bf16_pack(const uint16_t *w, int64_t ws, int64_t d_out, int64_t d_
 }
 
 #ifdef HAVE_DPBF16
-static inline uint32_t load_pair(const uint16_t *p) {
-    uint32_t u;
-    memcpy(&u, p, sizeof u);
-    return u;
-}
-
 /* acc[r][c] += x rows' pairs K0 .. K1 - 1 against panel c (b: panel 0's pair 0, panels kps
  * pairs apart); mr <= MR rows, np <= NR panels; FULL: mr == MR and np == NR (unrolled). PAIR:
  * the row's pair kp as a 32-bit value. */
@@ -82,7 +73,7 @@ static inline uint32_t load_pair(const uint16_t *p) {
         for (int r = 0; r < (FULL ? MR : mr); r++) {                                       \
             const __m512i a = _mm512_set1_epi32((int)(PAIR));                              \
             for (int c = 0; c < (FULL ? NR : np); c++)                                     \
-                acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a, (__m512bh)bv[c]);     \
+                acc[r][c] = dp(acc[r][c], a, bv[c]);                                     \
         }                                                                                  \
     }
 

@@ -27,16 +27,11 @@
 
 #include "vector_width.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define HAVE_DPBF16 1
-#include <immintrin.h>
+#include "bf16_pairs.h"
+#ifdef HAVE_DPBF16
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-/* vdpbf16ps: each float32 lane += a[2j] b[2j] + a[2j + 1] b[2j + 1], the bf16 products exact */
-static inline __m512 dp(__m512 acc, __m512i a, __m512i b) {
-    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
-}
 #endif
 
 /* ISO C (-std=c11) turns FMA contraction off; a * b + c as one FMA is what every BLAS does,
@@ -575,10 +570,7 @@ static void shrink_dp(const uint16_t *x, int64_t xs, int64_t rows, int64_t d_in,
 static void pack_pairs(const module_t *m, int64_t c0, int64_t n, int64_t n64, uint32_t *pack) {
     const uint16_t *B = (const uint16_t *)(intptr_t)m->b;
     const int64_t bs = m->b_stride, rank = m->rank, off = c0 - m->start;
-    const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10,
-                                            41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3,
-                                            34, 2, 33, 1, 32, 0);
-    const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+    const __m512i lo_idx = pair_lo(), hi_idx = pair_hi();
     for (int64_t kp = 0; 2 * kp < rank; kp++) {
         const uint16_t *b0 = B + 2 * kp * bs + off;
         const uint16_t *b1 = 2 * kp + 1 < rank ? b0 + bs : NULL;
@@ -613,9 +605,7 @@ static void expand_dp(const uint16_t *h, int64_t hs, int64_t rows, int64_t rank_
                 __m512i pv[4];
                 for (int v = 0; v < 4; v++) pv[v] = _mm512_loadu_si512(p + 16 * v);
                 for (int j = 0; j < 4; j++) {
-                    uint32_t pair;
-                    memcpy(&pair, hr[j] + 2 * kp, 4);
-                    const __m512i hb = _mm512_set1_epi32((int)pair);
+                    const __m512i hb = _mm512_set1_epi32((int)load_pair(hr[j] + 2 * kp));
                     for (int v = 0; v < 4; v++) acc[j][v] = dp(acc[j][v], hb, pv[v]);
                 }
             }

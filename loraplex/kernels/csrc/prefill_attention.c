@@ -38,6 +38,7 @@
 #include <string.h>
 
 #include "attention.h"
+#include "bf16_pairs.h"
 
 #define QBLOCK 64 /* queries per task: enough work to amortise the gather, and tasks to share */
 #define KTILE (2 * VW) /* keys per score tile: two vectors (32 with AVX-512, 16 with AVX2) */
@@ -202,7 +203,7 @@ INLINE void task_body(const Call *c, int64_t task, float *buf, int bf16, const i
     }
 }
 
-#if VW == 16 && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if VW == 16 && defined(HAVE_DPBF16)
 /* ---- bf16 on AVX512-BF16's pair dot products (vdpbf16ps), head sizes 64 and 128 ------------
  *
  * The same task, with both products on bf16 pairs: each float32 lane += a[2j] b[2j] + a[2j + 1]
@@ -217,18 +218,6 @@ INLINE void task_body(const Call *c, int64_t task, float *buf, int bf16, const i
  * instruction per two keys, P's key pair broadcast; normalised and rounded to bf16 once.
  * Against the float32-arithmetic tiles above (which widen every element first): 1.8-2.0x on
  * SmolLM2's prefill shapes on a Zen 4 core (docs/benchmarks.md). */
-#include <immintrin.h>
-#define HAVE_DPBF16 1
-
-INLINE __m512 dp(__m512 acc, __m512i a, __m512i b) {
-    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
-}
-
-INLINE uint32_t load_pair(const uint16_t *p) {
-    uint32_t u;
-    memcpy(&u, p, sizeof u);
-    return u;
-}
 
 /* r[i] lane j -> r[j] lane i, 32-bit elements (four rounds of in-register shuffles) */
 INLINE void transpose16(__m512i r[16]) {
@@ -263,10 +252,7 @@ INLINE void transpose16(__m512i r[16]) {
 INLINE void gather_pairs(const Call *c, const int32_t *pages, int64_t nk, int64_t ldk, int h,
                          const int D, uint32_t *restrict kp, uint16_t *restrict vp) {
     const int64_t row = (int64_t)c->Hkv * D;
-    const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10,
-                                            41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3,
-                                            34, 2, 33, 1, 32, 0);
-    const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+    const __m512i lo_idx = pair_lo(), hi_idx = pair_hi();
     for (int64_t p0 = 0; p0 < ldk; p0 += 16) {
         const uint16_t *k[16];
         for (int e = 0; e < 16; e++) {
