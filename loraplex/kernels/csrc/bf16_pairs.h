@@ -1,8 +1,8 @@
 /* What the kernels on AVX512-BF16's pair dot products share (lora.c's long bf16 segments,
- * prefill_attention.c's bf16 tiles, gemm_bf16.c): HAVE_DPBF16 where the build has the
- * instructions, vdpbf16ps as `dp`, a bf16 pair as one 32-bit value, and the permutes that
- * interleave two rows of bf16 into pairs. Included by each (loraplex/kernels/native.py hashes
- * every header into every build's cache key). */
+ * prefill_attention.c's bf16 tiles, decode_attention.c's bf16 scores, gemm_bf16.c):
+ * HAVE_DPBF16 where the build has the instructions, vdpbf16ps as `dp`, a bf16 pair as one
+ * 32-bit value, and the permutes that interleave two rows of bf16 into pairs. Included by
+ * each (loraplex/kernels/native.py hashes every header into every build's cache key). */
 #ifndef LORAPLEX_BF16_PAIRS_H
 #define LORAPLEX_BF16_PAIRS_H
 
