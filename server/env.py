@@ -54,6 +54,12 @@ def bf16_gemm() -> bool:
     return _switch("BF16_GEMM") not in _OFF
 
 
+def huge_pages() -> bool:
+    """``LORAPLEX_HUGE_PAGES``: ``0`` keeps the CPU engine's packed weights and page pools on
+    ordinary pages (``loraplex/kernels/huge_pages``) instead of transparent huge pages."""
+    return _switch("HUGE_PAGES") not in _OFF
+
+
 def get(name: str, default: str | None = None) -> str | None:
     """``LORAPLEX_<NAME>`` or ``default``: the environment half of a CLI flag."""
     return os.environ.get(f"LORAPLEX_{name.upper()}", default)

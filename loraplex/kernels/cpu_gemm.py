@@ -16,10 +16,10 @@ it on every machine); ``0`` never.
 
 ``pack(weight)`` rearranges a ``[d_out, d_in]`` weight once into the chosen kernel's panel
 order (still float32: 4 bytes an element, the weight's own size; the model drops the dense
-copy); ``linear(x, packed)`` runs it. ``backend()`` says which kernel serves this process
-(``"amx"``, ``"fma"`` or ``None``), ``enabled()`` whether one does: the native library
-loaded (``loraplex/kernels/native.py``), the CPU allows it and its switch is not off
-(``LORAPLEX_AMX_GEMM``, ``LORAPLEX_FMA_GEMM``).
+copy), on transparent huge pages (``huge_pages``); ``linear(x, packed)`` runs it.
+``backend()`` says which kernel serves this process (``"amx"``, ``"fma"`` or ``None``),
+``enabled()`` whether one does: the native library loaded (``loraplex/kernels/native.py``),
+the CPU allows it and its switch is not off (``LORAPLEX_AMX_GEMM``, ``LORAPLEX_FMA_GEMM``).
 
 bf16 (``csrc/gemm_bf16.c``): on a CPU with AVX512-BF16 and no AMX (Zen 4, Zen 5) bf16
 projections run on pair dot products (vdpbf16ps) over weights packed in 16-column panels of
@@ -39,7 +39,7 @@ import threading
 
 import torch
 
-from loraplex.kernels import native
+from loraplex.kernels import huge_pages, native
 from loraplex.server import env
 
 logger = logging.getLogger(__name__)
@@ -196,11 +196,11 @@ def pack(weight: torch.Tensor, kind: str | None = None) -> PackedWeight:
     if lib is None:  # backends() loaded it
         raise ValueError(f"the {kind} float32 GEMM is not available here")
     if kind == "amx":
-        data = torch.empty(lib.loraplex_amx_packed_elems(d_out, d_in), dtype=torch.float32)
+        data = huge_pages.empty(lib.loraplex_amx_packed_elems(d_out, d_in), torch.float32)
         lib.loraplex_amx_pack(weight.data_ptr(), weight.stride(0), d_out, d_in,
                               data.data_ptr(), threads)
     else:
-        data = torch.empty(lib.loraplex_fma_packed_elems(d_out, d_in), dtype=torch.float32)
+        data = huge_pages.empty(lib.loraplex_fma_packed_elems(d_out, d_in), torch.float32)
         lib.loraplex_fma_pack(weight.data_ptr(), weight.stride(0), d_out, d_in,
                               data.data_ptr(), threads)
     return PackedWeight(data, d_out, d_in, kind, lib)
@@ -218,7 +218,7 @@ def _pack_bf16(weight: torch.Tensor) -> PackedWeight:
     if lib is None:  # bf16_available() loaded it
         raise ValueError("the bf16 GEMM is not available here")
     d_out, d_in = weight.shape
-    data = torch.empty(lib.loraplex_bf16_packed_elems(d_out, d_in), dtype=torch.bfloat16)
+    data = huge_pages.empty(lib.loraplex_bf16_packed_elems(d_out, d_in), torch.bfloat16)
     lib.loraplex_bf16_pack(weight.data_ptr(), weight.stride(0), d_out, d_in, data.data_ptr(),
                            torch.get_num_threads())
     return PackedWeight(data, d_out, d_in, "bf16", lib)

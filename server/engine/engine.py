@@ -18,6 +18,7 @@ from dataclasses import replace
 import torch
 
 from loraplex.adapter_store.store import AdapterSource
+from loraplex.kernels import huge_pages
 from loraplex.kernels.layout import kv_page_elems
 from loraplex.server.config import EngineConfig
 from loraplex.server.engine import cpu_threads, gc_freeze
@@ -103,8 +104,10 @@ class Engine:
                                         self.model_config.head_dim)
         self.profile: ProfileResult | None = None  # the profiling pass, where one sized the pool
         num_pages = self._num_pages(model, adapter_source is not None)
-        pools = torch.zeros(self.model_config.num_layers, num_pages, self.page_elems,
-                            dtype=self.dtype, device=self.device)
+        shape = (self.model_config.num_layers, num_pages, self.page_elems)
+        # on a CPU on huge pages: decode attention and LoRA read pages scattered over it
+        pools = (huge_pages.zeros(shape, self.dtype) if self.device.type == "cpu"
+                 else torch.zeros(shape, dtype=self.dtype, device=self.device))
         if self.parallel is not None:
             self.runner: ModelRunner = self.parallel.runner(pools, kernels)
         else:

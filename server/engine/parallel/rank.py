@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from loraplex.kernels import huge_pages
 from loraplex.kernels.layout import adapter_layout
 from loraplex.server.engine.adapter_cache import ResidentAdapter
 from loraplex.server.engine.lora import LoraBatch
@@ -78,8 +79,9 @@ class RankLoop:
         sizes = torch.zeros(2, dtype=torch.int64)
         dist.broadcast(sizes, 0, group=groups.idle)
         num_pages, page_elems = sizes.tolist()
-        pools = torch.zeros(config.num_layers, num_pages, page_elems,
-                            dtype=parse_dtype(spec.dtype), device=spec.device_of(rank))
+        shape, device = (config.num_layers, num_pages, page_elems), spec.device_of(rank)
+        pools = (huge_pages.zeros(shape, parse_dtype(spec.dtype)) if device.type == "cpu"
+                 else torch.zeros(shape, dtype=parse_dtype(spec.dtype), device=device))
         self.runner = ModelRunner(self.model, pools, spec.page_size, spec.kernels)
         self.runner.all_reduce = self._all_reduce
         if spec.warms_up:
