@@ -42,6 +42,7 @@ _ALIGN = 64
 _lock = threading.Lock()
 _arena: torch.Tensor | None = None  # uint8 view of the current arena from its 2 MiB boundary
 _arena_used = 0
+_failed = False  # a mapping failed: plain tensors from then on (one warning, not one a weight)
 
 
 @functools.cache
@@ -51,17 +52,21 @@ def _supported() -> bool:
 
 def enabled() -> bool:
     """Whether ``empty`` and ``zeros`` map memory advised for huge pages (Linux, the switch on)."""
-    return _supported() and env.huge_pages()
+    return _supported() and not _failed and env.huge_pages()
 
 
 def _mapping(nbytes: int) -> torch.Tensor | None:
     """``nbytes`` bytes (uint8) of a fresh mapping from its first 2 MiB boundary, advised for
-    huge pages; ``None`` where the mapping fails."""
+    huge pages; ``None`` where the mapping fails (and every later call then: ``enabled()``
+    turns false)."""
+    global _failed
     try:
         mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         mm.madvise(mmap.MADV_HUGEPAGE)
     except (OSError, ValueError) as exc:  # out of address space, or a kernel without THP
-        logger.warning("huge-page mapping of %d bytes failed (%s): ordinary pages", nbytes, exc)
+        logger.warning("huge-page mapping of %d bytes failed (%s): ordinary pages from now on",
+                       nbytes, exc)
+        _failed = True
         return None
     # the tensor holds the buffer (and so the mapping) for as long as it or a view lives
     whole = torch.frombuffer(mm, dtype=torch.uint8)

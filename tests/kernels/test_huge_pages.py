@@ -107,3 +107,23 @@ def test_engine_pools_and_packed_weights_are_on_advised_memory(tmp_path) -> None
     if cpu_gemm.bf16_available():
         packed = cpu_gemm.pack(torch.randn(96, 64).to(torch.bfloat16))
         assert _advised(packed.data)
+
+
+@needs_thp
+def test_a_failed_mapping_falls_back_once_for_good(monkeypatch) -> None:
+    import mmap
+
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(args)
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    monkeypatch.setattr(huge_pages, "_arena", None)
+    monkeypatch.setattr(huge_pages, "_failed", False)
+    first = huge_pages.zeros((3, 4), torch.float32)
+    assert first.shape == (3, 4) and (first == 0).all() and not _advised(first)
+    assert not huge_pages.enabled() and len(calls) == 1
+    second = huge_pages.empty(huge_pages.ARENA_BYTES, torch.uint8)  # no second try
+    assert second.numel() == huge_pages.ARENA_BYTES and len(calls) == 1
