@@ -3,9 +3,9 @@
 A decode step streams every weight once and reads K/V and adapter pages scattered over the
 pool. On 4 KiB pages each of those streams crosses a page (and a TLB entry) every 4 KiB, and
 the hardware prefetchers stop at page boundaries; on 2 MiB pages neither happens. Measured on
-one Zen 4 core (docs/benchmarks.md, "huge pages"): the bf16 GEMMs on 32 decode rows with
-weights out of cache 1.0-1.17x faster (1.11-1.22x with gemm_bf16.c's prefetch of the next
-task's panels), decode attention 1.06-1.14x.
+one Zen 4 core (docs/benchmarks.md, "Zen 4, fourth visit"): the bf16 GEMMs on 32 decode rows
+with weights out of cache 1.02-1.08x faster (1.05-1.11x with gemm_bf16.c's prefetch of the
+next task's panels in both), decode attention 1.06-1.14x.
 
 Memory comes from private anonymous mappings advised ``MADV_HUGEPAGE``, each used from its
 first 2 MiB boundary: with THP's ``madvise`` mode (a common default) only such mappings get huge
@@ -102,6 +102,10 @@ def empty(shape: int | Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     return raw[:nbytes].view(dtype).view(dims)
 
 
-def zeros(shape: int | Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """``empty`` filled with zeros (every page touched now, as ``torch.zeros`` does)."""
+def zeros(shape: int | Sequence[int], dtype: torch.dtype,
+          device: torch.device | str = "cpu") -> torch.Tensor:
+    """``empty`` filled with zeros (every page touched now, as ``torch.zeros`` does); on a
+    device other than the CPU plain ``torch.zeros`` there."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
     return empty(shape, dtype).zero_()

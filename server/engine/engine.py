@@ -104,10 +104,9 @@ class Engine:
                                         self.model_config.head_dim)
         self.profile: ProfileResult | None = None  # the profiling pass, where one sized the pool
         num_pages = self._num_pages(model, adapter_source is not None)
-        shape = (self.model_config.num_layers, num_pages, self.page_elems)
         # on a CPU on huge pages: decode attention and LoRA read pages scattered over it
-        pools = (huge_pages.zeros(shape, self.dtype) if self.device.type == "cpu"
-                 else torch.zeros(shape, dtype=self.dtype, device=self.device))
+        pools = huge_pages.zeros((self.model_config.num_layers, num_pages, self.page_elems),
+                                 self.dtype, self.device)
         if self.parallel is not None:
             self.runner: ModelRunner = self.parallel.runner(pools, kernels)
         else:

@@ -127,3 +127,8 @@ def test_a_failed_mapping_falls_back_once_for_good(monkeypatch) -> None:
     assert not huge_pages.enabled() and len(calls) == 1
     second = huge_pages.empty(huge_pages.ARENA_BYTES, torch.uint8)  # no second try
     assert second.numel() == huge_pages.ARENA_BYTES and len(calls) == 1
+
+
+def test_zeros_off_the_cpu_is_torch_zeros_there() -> None:
+    meta = huge_pages.zeros((2, 3), torch.float32, "meta")  # any non-CPU device takes torch's path
+    assert meta.device.type == "meta" and meta.shape == (2, 3)

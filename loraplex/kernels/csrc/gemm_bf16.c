@@ -166,8 +166,9 @@ int loraplex_bf16_linear(const uint16_t *x, int64_t xs, const uint16_t *packed,
             /* Calls of one row block (decode batches) read each panel group once, from
              * memory: the next task's panels are fetched while this one runs (the thread's
              * next under the static schedule). On a Zen 4 core, weights out of cache, 32 rows:
-             * 1.01-1.13x at SmolLM2's shapes, 1.11-1.22x with the weights on huge pages. Longer
-             * calls reuse each group for many row blocks out of L3: 0.97-0.99x there, so not. */
+             * 1.01-1.10x at SmolLM2's shapes, 1.05-1.11x with the weights on huge pages
+             * (docs/benchmarks.md, "Zen 4, fourth visit"). Longer calls reuse each group for
+             * many row blocks out of L3: 0.97-0.99x there, so not. */
             const char *pf = NULL;
             int64_t pf_lines = 0;
             if (rows <= MC && t + 1 < tasks) {

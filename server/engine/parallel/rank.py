@@ -79,9 +79,8 @@ class RankLoop:
         sizes = torch.zeros(2, dtype=torch.int64)
         dist.broadcast(sizes, 0, group=groups.idle)
         num_pages, page_elems = sizes.tolist()
-        shape, device = (config.num_layers, num_pages, page_elems), spec.device_of(rank)
-        pools = (huge_pages.zeros(shape, parse_dtype(spec.dtype)) if device.type == "cpu"
-                 else torch.zeros(shape, dtype=parse_dtype(spec.dtype), device=device))
+        pools = huge_pages.zeros((config.num_layers, num_pages, page_elems),
+                                 parse_dtype(spec.dtype), spec.device_of(rank))
         self.runner = ModelRunner(self.model, pools, spec.page_size, spec.kernels)
         self.runner.all_reduce = self._all_reduce
         if spec.warms_up:
