@@ -60,6 +60,18 @@ def huge_pages() -> bool:
     return _switch("HUGE_PAGES") not in _OFF
 
 
+def malloc_tune() -> bool:
+    """``LORAPLEX_MALLOC_TUNE``: ``0`` leaves glibc's mmap and trim thresholds as they are in a
+    CPU engine's process (``server/engine/cpu_memory``)."""
+    return _switch("MALLOC_TUNE") not in _OFF
+
+
+def gc_freeze() -> bool:
+    """``LORAPLEX_GC_FREEZE``: ``0`` keeps the engine from freezing the objects alive at its start
+    out of the garbage collector's passes (``server/engine/gc_freeze``)."""
+    return _switch("GC_FREEZE") not in _OFF
+
+
 def get(name: str, default: str | None = None) -> str | None:
     """``LORAPLEX_<NAME>`` or ``default``: the environment half of a CLI flag."""
     return os.environ.get(f"LORAPLEX_{name.upper()}", default)

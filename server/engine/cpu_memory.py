@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
+
+from loraplex.server import env
 
 __all__ = ["keep_freed_memory"]
 
@@ -33,7 +34,7 @@ TRIM_THRESHOLD = 1 << 30
 @functools.cache
 def keep_freed_memory() -> bool:
     """Fix glibc's mmap and trim thresholds for this process; whether they were set."""
-    if os.environ.get("LORAPLEX_MALLOC_TUNE", "1") == "0":
+    if not env.malloc_tune():
         return False
     try:
         libc = ctypes.CDLL(None)

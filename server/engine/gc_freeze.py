@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import atexit
 import gc
-import os
+
+from loraplex.server import env
 
 __all__ = ["freeze", "release"]
 
 
 def freeze() -> bool:
     """Freeze every object alive now, unless ``LORAPLEX_GC_FREEZE=0``; whether it did."""
-    if os.environ.get("LORAPLEX_GC_FREEZE", "1") == "0":
+    if not env.gc_freeze():
         return False
     gc.freeze()
     atexit.unregister(gc.unfreeze)  # registered once, however many engines
