@@ -163,9 +163,11 @@ class AdapterManager:
         self._pool = cpu_threads.confined_executor(num_loader_threads, "adapter-load")
         self._copy_stream = torch.cuda.Stream(pools.device) if self._pin else None
         self._pending_copies: list[torch.cuda.Event] = []
+        # loads: store -> host cache (loader threads); copies_in: host cache -> pool pages (the
+        # step, before its forward pass: the time a switch of adapters costs the batch)
         self.counters = {"loads": 0, "load_seconds": 0.0, "load_failures": 0, "host_hits": 0,
                          "host_misses": 0, "device_hits": 0, "device_misses": 0,
-                         "evictions": 0}
+                         "evictions": 0, "copies_in": 0, "copy_in_seconds": 0.0}
         pager.on_evict(PageKind.ADAPTER, self._on_evict)
 
     # -- the host tier and the loader --------------------------------------------------------
@@ -289,13 +291,17 @@ class AdapterManager:
         """Copy each adapter's weights from the host cache into its reserved pages (on CUDA
         on the copy stream: ``wait_for_copies`` orders the step after them). A load whose
         copy never completes (the step failed first) is returned again by the next
-        ``acquire`` of that adapter."""
+        ``acquire`` of that adapter. Counted in ``counters`` (``copies_in``,
+        ``copy_in_seconds``: on CUDA the time to issue the copies, not to run them)."""
         for load in loads:
             host = self._to_copy.get(load.digest)
             if host is None:
                 continue  # copied already (a batch may carry one adapter's load twice)
+            start = time.perf_counter()
             self._copy_in(host, list(load.page_ids))
             del self._to_copy[load.digest]  # only once done: a failed copy is issued again
+            self.counters["copies_in"] += 1
+            self.counters["copy_in_seconds"] += time.perf_counter() - start
 
     def _pool_layout(self, host: HostAdapter) -> AdapterLayout:
         return self.sharding.pool_layout(host.layout) if self.sharding else host.layout

@@ -34,6 +34,8 @@ class EngineStats:
     device_hits: int = 0
     device_misses: int = 0
     adapter_evictions: int = 0
+    adapter_copies_in: int = 0  # host cache -> pool pages, in the steps
+    adapter_copy_in_seconds: float = 0.0  # on CUDA: issuing the copies, not running them
     prefix_queried_tokens: dict[str, int] = field(default_factory=dict)  # by tenant
     prefix_hit_tokens: dict[str, int] = field(default_factory=dict)  # by tenant
     step_times: StepTimeStats = StepTimeStats()  # measured against predicted step time
@@ -59,7 +61,9 @@ def collect_stats(scheduler: Scheduler, pager: Pager, num_steps: int, step_timer
             adapter_loads=int(c["loads"]), adapter_load_seconds=float(c["load_seconds"]),
             adapter_load_failures=int(c["load_failures"]), host_hits=int(c["host_hits"]),
             host_misses=int(c["host_misses"]), device_hits=int(c["device_hits"]),
-            device_misses=int(c["device_misses"]), adapter_evictions=int(c["evictions"]))
+            device_misses=int(c["device_misses"]), adapter_evictions=int(c["evictions"]),
+            adapter_copies_in=int(c["copies_in"]),
+            adapter_copy_in_seconds=float(c["copy_in_seconds"]))
     prefix_fields = {}
     if prefix_cache is not None:
         p = prefix_cache.stats()

@@ -87,6 +87,13 @@ def test_reupload_never_reuses_old_pages(cluster: Cluster, model_dir: Path,
         assert new.token_ids != old.token_ids
         pinned = acme.generate(prompt, "x@1", params=GREEDY)
         assert pinned.token_ids == old.token_ids and pinned.usage.cached_tokens == 32
+    # both versions came from the store into the host cache and from there into pool pages
+    port = cluster.workers[0].metrics_port
+    wait_for(lambda: scrape(port).get("loraplex_worker_adapter_copies_in_total", 0) >= 2,
+             what="two adapter copies in the worker's metrics")
+    metrics = scrape(port)
+    assert metrics["loraplex_worker_adapter_loads_total"] >= 2
+    assert metrics["loraplex_worker_adapter_copy_in_seconds_total"] > 0
     cold = Cluster(model_dir, tmp_path / "cold-store")
     try:
         with cold.client() as client:

@@ -43,10 +43,13 @@ def test_acquire_reserves_pages_and_copy_in_writes_them(tiny_llama, tmp_path):
         load = manager.acquire(first)
         assert load == AdapterLoad(adapter.digest, manager.resident(adapter.digest).pages)
         assert pools.count_nonzero() == 0  # reserved, not copied
-        manager.copy_in([load])
+        assert manager.counters["copies_in"] == 0
+        manager.copy_in([load, load])  # one adapter's load twice in a batch: copied once
         assert pools[:, list(load.page_ids)].count_nonzero() > 0
+        assert manager.counters["copies_in"] == 1 and manager.counters["copy_in_seconds"] > 0
         second = Request("b", [1, 2], SamplingParams(), adapter_digest=adapter.digest)
         assert manager.acquire(second) is None  # resident and copied: nothing to copy
+        assert manager.counters["copies_in"] == 1
     finally:
         manager.close()
 
