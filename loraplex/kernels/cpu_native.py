@@ -11,7 +11,7 @@ place through the page table, once per KV head (its query heads together), and k
 scores in a per-thread buffer. Prefill (prompt chunks, a decode row with its drafts) is bound
 by FLOPs: the torch path runs SDPA one sequence at a time (a gather, a fused kernel with its
 fixed cost, a copy out), the C kernel all of a step's sequences in one call, as
-register-blocked tiles over keys gathered once per KV head and block of 64 queries, skipping
+register-blocked tiles over keys gathered once per KV head and block of up to 256 queries, skipping
 the causal upper triangle tile by tile. In bf16 on a CPU with AVX512-BF16 (head sizes 64 and
 128) both products run on bf16 pairs, and the softmax's terms are rounded to bf16 between them,
 as torch's SDPA does in bf16 (``prefill_rounds_bf16_probs``); elsewhere everything is float32

@@ -1,6 +1,7 @@
 """The native prefill attention (``loraplex/kernels/csrc/prefill_attention.c`` through
 ``loraplex/kernels/cpu_native.prefill``) against the plain reference: whole prompts and chunks on
-top of a cached context, query counts across the kernel's 64-query blocks and its 4-row tiles, GQA,
+top of a cached context, query counts across the kernel's query blocks (256, 128 or 64 queries:
+the largest that leaves each thread four tasks) and its row tiles, GQA,
 head sizes on the fast paths (64, 128) and the generic one (80, 16), two page sizes, stale NaN
 and inf in every slot no sequence owns, decode rows in the same step, one and two threads; and
 where it does not apply (the torch path runs, with the same values; with native kernels off:
@@ -38,11 +39,13 @@ def _step(rng: random.Random, gen: torch.Generator, dtype: torch.dtype, *, group
           head_dim: int, page_size: int, decodes: bool
           ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, int]:
     num_kv_heads = rng.choice([1, 2, 3])
-    # whole prompts of 2, 3 (under one 4-row tile), 64 and 65 (one block, and one more row),
-    # 130 (three blocks); chunks on top of a cached context; random ones
-    q_lens = [2, 3, 64, 65, 130, 5, 70] + [rng.randint(2, 90) for _ in range(rng.randint(1, 4))]
-    lens = [2, 3, 64, 65, 130, 5 + 37, 70 + 100] + [
-        n + rng.choice([0, rng.randint(1, 120)]) for n in q_lens[7:]]
+    # whole prompts of 2, 3 (under one row tile), 64 and 65 (a 64-query block, and one more
+    # row), 130 (three of them, or one of 256), 300 (two blocks of 256); chunks on top of a
+    # cached context; random ones
+    q_lens = [2, 3, 64, 65, 130, 300, 5, 70] + [
+        rng.randint(2, 90) for _ in range(rng.randint(1, 4))]
+    lens = [2, 3, 64, 65, 130, 300, 5 + 37, 70 + 100] + [
+        n + rng.choice([0, rng.randint(1, 120)]) for n in q_lens[8:]]
     if decodes:
         q_lens += [1, 1]
         lens += [1, rng.randint(2, 150)]
@@ -119,6 +122,33 @@ def test_matches_reference(case: tuple[int, int, int], dtype: torch.dtype, decod
                                    atol=atol)
     assert torch.equal(again, out)
     assert (out[others] == 7.0).all()  # decode rows are not the kernel's to write
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_long_sequence_on_one_kv_head(dtype: torch.dtype, threads: int) -> None:
+    # Too few tasks for two threads in blocks of 256 or 128: it splits into blocks of 64 (one
+    # thread: one block of 256 and one of 44), each gathering the keys its last query sees.
+    _native_or_skip()
+    rng, gen = random.Random(7), torch.Generator().manual_seed(7)
+    q, pool, meta = paged_step(rng, gen, dtype, [300], [300 + 21], 16, 1, 3, 64,
+                               spare_pages=2)
+    out = torch.full_like(q, 7.0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert cpu_native.prefill(q, pool, meta, [0], meta.query_start.tolist(), out, 16, 1,
+                                  0.125)
+    finally:
+        torch.set_num_threads(before)
+    pairs = _rounds_probs(dtype, 64)
+    expected = reference.paged_attention(q.float(), pool.float(), meta, 16, 1, 0.125,
+                                         round_probs=torch.bfloat16 if pairs else None)
+    rtol, atol, _ = TOLERANCE[dtype]
+    if pairs:
+        _assert_close_rounded_probs(out.float(), expected, rtol, atol)
+    else:
+        torch.testing.assert_close(out.float(), expected, rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("cpu_amx", [True, False], indirect=True)

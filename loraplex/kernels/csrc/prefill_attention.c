@@ -20,9 +20,9 @@
  * table_stride] int32; q_starts, q_lens, table_rows, seq_lens [num_seqs] int64. Elements are
  * float32 or bfloat16, one dtype for q, pool and out. D must be a multiple of 16.
  *
- * A task is a sequence, one KV head and a block of up to QBLOCK queries. It gathers the keys
+ * A task is a sequence, one KV head and a block of up to 256 queries (QBLOCKS). It gathers the keys
  * the block can see, transposed ([D, L'] with L' rounded up to KTILE, zero past the end), and
- * the values ([L', D]), into per-thread float32 buffers once; then the G * QBLOCK query rows
+ * the values ([L', D]), into per-thread float32 buffers once; then the G * qblock query rows
  * go RB at a time through two register-blocked products: scores = Q K^T as RB x KTILE tiles
  * (each key column loaded once for RB rows), an exact softmax per row over the keys it may
  * see (the block's later keys masked to -inf, so exp gives 0), and out = P V as RB x D tiles
@@ -40,7 +40,13 @@
 #include "attention.h"
 #include "bf16_pairs.h"
 
-#define QBLOCK 64 /* queries per task: enough work to amortise the gather, and tasks to share */
+/* Queries per task: the most of these that still leaves every thread at least TASKS_PER_THREAD
+ * tasks (the last one, 64, in any case). A task gathers every key its last query sees, so a
+ * sequence split into blocks gathers its first keys once a block: on a Zen 4 core one block of
+ * up to 256 queries per KV head made SmolLM2's prompts of 64-128 tokens 1.03-1.1x faster than
+ * blocks of 64 (docs/benchmarks.md, "Zen 4, fifth visit"). */
+static const int64_t QBLOCKS[] = {256, 128, 64};
+#define TASKS_PER_THREAD 4
 #define KTILE (2 * VW) /* keys per score tile: two vectors (32 with AVX-512, 16 with AVX2) */
 /* query rows per register-blocked tile: RB rows keep 2 * RB score accumulators live, and the
  * P V product PB rows' PB * D / VW, which at D = 64 fit AVX-512's 32 registers at RB 8, PB 4
@@ -64,14 +70,76 @@ typedef struct {
     int64_t q_stride, table_stride, out_stride, max_keys;
     int Hkv, G, D, P;
     float scale;
+    int64_t qblock; /* queries per task (one of QBLOCKS) */
 } Call;
 
+#if VW == 16
+#include <immintrin.h>
+
+/* r[i] lane j -> r[j] lane i, 32-bit elements (four rounds of in-register shuffles) */
+INLINE void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 4) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+        t[i + 2] = _mm512_unpacklo_epi32(r[i + 2], r[i + 3]);
+        t[i + 3] = _mm512_unpackhi_epi32(r[i + 2], r[i + 3]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 16; i += 8)
+        for (int j = 0; j < 4; j++) {
+            t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+            t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+        r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+    }
+}
+
+#endif
+
 /* Keys 0 .. nk - 1 of KV head h into kt ([D, ldk], transposed, zero from nk to ldk) and their
- * values into v ([nk, D]), float32. */
+ * values into v ([nk, D]), float32. Float32 keys with AVX-512 go 16 keys x 16 elements at a
+ * time through transpose16 (1.09x of the whole kernel at SmolLM2's shapes on a Zen 4 core,
+ * against a scalar store per element; the same values). */
 INLINE void gather(const Call *c, const int32_t *pages, int64_t nk, int64_t ldk, int h, int bf16,
                    const int D, float *restrict kt, float *restrict v) {
     const int64_t esize = bf16 ? 2 : 4;
     const int64_t row = (int64_t)c->Hkv * D; /* elements of one token's K (or V) */
+#if VW == 16
+    if (!bf16) {
+        for (int64_t p0 = 0; p0 < nk; p0 += 16) {
+            const float *k[16];
+            for (int e = 0; e < 16; e++) {
+                const int64_t p = p0 + e;
+                k[e] = NULL; /* past the end: zero keys */
+                if (p < nk) {
+                    const int64_t page = pages[p / c->P], slot = p % c->P;
+                    k[e] = (const float *)c->pool + (page * 2 * c->P + slot) * row
+                           + (int64_t)h * D;
+                    memcpy(v + p * D, k[e] + (int64_t)c->P * row, sizeof(float) * (size_t)D);
+                }
+            }
+            for (int d0 = 0; d0 < D; d0 += 16) {
+                __m512i r[16];
+                for (int e = 0; e < 16; e++)
+                    r[e] = k[e] != NULL ? _mm512_loadu_si512(k[e] + d0) : _mm512_setzero_si512();
+                transpose16(r);
+                for (int j = 0; j < 16; j++)
+                    _mm512_storeu_si512(kt + (int64_t)(d0 + j) * ldk + p0, r[j]);
+            }
+        }
+        for (int d = 0; d < D; d++)
+            for (int64_t p = (nk + 15) / 16 * 16; p < ldk; p++) kt[(int64_t)d * ldk + p] = 0.0f;
+        return;
+    }
+#endif
     for (int64_t p = 0; p < nk; p++) {
         const int64_t page = pages[p / c->P], slot = p % c->P;
         const char *k = (const char *)c->pool
@@ -156,13 +224,13 @@ INLINE void rows_attend(const float *restrict qf, const int64_t *lim, const int 
     }
 }
 
-/* Task `task`: KV head task % Hkv of its sequence, queries task_q0 .. + QBLOCK. buf holds
+/* Task `task`: KV head task % Hkv of its sequence, queries task_q0 .. + qblock. buf holds
  * D * ldk + ldk * D + RB * ldk + 2 * RB * D floats for ldk = max_keys rounded up to KTILE. */
 INLINE void task_body(const Call *c, int64_t task, float *buf, int bf16, const int D) {
     const int h = (int)(task % c->Hkv);
     const int64_t block = task / c->Hkv, i = c->task_seq[block], a0 = c->task_q0[block];
     const int64_t n = c->q_lens[i], L = c->seq_lens[i];
-    const int64_t na = n - a0 < QBLOCK ? n - a0 : QBLOCK;
+    const int64_t na = n - a0 < c->qblock ? n - a0 : c->qblock;
     const int64_t nk = L - n + a0 + na; /* keys the block's last query sees */
     const int64_t ldk = (nk + KTILE - 1) / KTILE * KTILE;
     const int64_t ldmax = (c->max_keys + KTILE - 1) / KTILE * KTILE;
@@ -218,32 +286,6 @@ INLINE void task_body(const Call *c, int64_t task, float *buf, int bf16, const i
  * instruction per two keys, P's key pair broadcast; normalised and rounded to bf16 once.
  * Against the float32-arithmetic tiles above (which widen every element first): 1.8-2.0x on
  * SmolLM2's prefill shapes on a Zen 4 core (docs/benchmarks.md). */
-
-/* r[i] lane j -> r[j] lane i, 32-bit elements (four rounds of in-register shuffles) */
-INLINE void transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 4) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-        t[i + 2] = _mm512_unpacklo_epi32(r[i + 2], r[i + 3]);
-        t[i + 3] = _mm512_unpackhi_epi32(r[i + 2], r[i + 3]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int i = 0; i < 16; i += 8)
-        for (int j = 0; j < 4; j++) {
-            t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
-            t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
-        }
-    for (int j = 0; j < 8; j++) {
-        r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
-        r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
-    }
-}
 
 /* Keys 0 .. nk - 1 of KV head h as element pairs in tiles of KTILE keys, kp[(p / KTILE * D / 2
  * + j) * KTILE + p % KTILE] = K[p][2j .. 2j + 1] (zero from nk to ldk), transposed 16 keys x 16
@@ -389,7 +431,7 @@ INLINE void task_body_dp(const Call *c, int64_t task, float *buf, const int D) {
     const int h = (int)(task % c->Hkv);
     const int64_t block = task / c->Hkv, i = c->task_seq[block], a0 = c->task_q0[block];
     const int64_t n = c->q_lens[i], L = c->seq_lens[i];
-    const int64_t na = n - a0 < QBLOCK ? n - a0 : QBLOCK;
+    const int64_t na = n - a0 < c->qblock ? n - a0 : c->qblock;
     const int64_t nk = L - n + a0 + na;
     const int64_t ldk = (nk + KTILE - 1) / KTILE * KTILE;
     const int64_t ldmax = (c->max_keys + KTILE - 1) / KTILE * KTILE;
@@ -475,22 +517,27 @@ int loraplex_prefill_attention(const void *q, int64_t q_stride, const void *pool
     if (Hkv <= 0 || G <= 0 || D <= 0 || D % 16 || D > 256 || P <= 0 || num_threads <= 0
         || (dtype != 0 && dtype != 1))
         return 2;
-    int64_t blocks = 0, max_keys = 0;
+    int64_t max_keys = 0;
     for (int64_t i = 0; i < num_seqs; i++) {
         if (q_lens[i] <= 0 || q_lens[i] > seq_lens[i]) return 2;
-        blocks += (q_lens[i] + QBLOCK - 1) / QBLOCK;
         max_keys = seq_lens[i] > max_keys ? seq_lens[i] : max_keys;
+    }
+    int64_t qblock = 0, blocks = 0;
+    for (size_t k = 0; k < sizeof QBLOCKS / sizeof QBLOCKS[0]; k++) {
+        qblock = QBLOCKS[k], blocks = 0;
+        for (int64_t i = 0; i < num_seqs; i++) blocks += (q_lens[i] + qblock - 1) / qblock;
+        if (num_threads == 1 || blocks * Hkv >= (int64_t)TASKS_PER_THREAD * num_threads) break;
     }
     int64_t *plan = malloc(sizeof(int64_t) * 2 * (size_t)blocks);
     if (plan == NULL) return 1;
     for (int64_t i = 0, b = 0; i < num_seqs; i++)
-        for (int64_t a = 0; a < q_lens[i]; a += QBLOCK, b++) plan[b] = i, plan[blocks + b] = a;
+        for (int64_t a = 0; a < q_lens[i]; a += qblock, b++) plan[b] = i, plan[blocks + b] = a;
     static const TaskFn fns[2][3] = {{task_f32_d64, task_f32_d128, task_f32_any},
                                      {task_bf16_d64, task_bf16_d128, task_bf16_any}};
     const TaskFn fn = fns[dtype][D == 64 ? 0 : D == 128 ? 1 : 2];
     const Call c = {q, pool, page_table, q_starts, q_lens, table_rows, seq_lens, plan,
                     plan + blocks, out, q_stride, table_stride, out_stride, max_keys,
-                    Hkv, G, D, P, scale};
+                    Hkv, G, D, P, scale, qblock};
     const int64_t num_tasks = blocks * Hkv;
     const int64_t ldmax = (max_keys + KTILE - 1) / KTILE * KTILE;
     const size_t buf_floats = (size_t)(2 * D * ldmax + RB * ldmax + 2 * RB * D);
