@@ -86,11 +86,23 @@ def test_concurrent_allocations_get_disjoint_memory() -> None:
 
 
 def test_switch_off_gives_plain_tensors(monkeypatch) -> None:
+    # Off, no mapping is made at all. (Whether the memory torch then gets carries the flag is
+    # the allocator's history: in one full-suite run a plain 16 MiB torch.zeros landed on
+    # memory with it, so the test checks that nothing here maps or advises.)
+    def refuse(nbytes: int) -> None:
+        raise AssertionError("a huge-page mapping with the switch off")
+
+    monkeypatch.setattr(huge_pages, "_mapping", refuse)
     monkeypatch.setenv("LORAPLEX_HUGE_PAGES", "0")
     assert not huge_pages.enabled()
-    t = huge_pages.zeros((4, 1 << 20), torch.float32)
-    assert t.shape == (4, 1 << 20) and (t == 0).all()
-    assert not _advised(t)
+    for size in ((8, 1 << 20), (3, 5)):  # a mapping of its own (32 MiB), an arena's share
+        t = huge_pages.zeros(size, torch.float32)
+        assert t.shape == size and t.is_contiguous() and (t == 0).all()
+        assert huge_pages.empty(size, torch.bfloat16).shape == size
+    monkeypatch.delenv("LORAPLEX_HUGE_PAGES")
+    if huge_pages.enabled():  # on again, the same call maps (the guard above is live)
+        with pytest.raises(AssertionError, match="switch off"):
+            huge_pages.zeros((8, 1 << 20), torch.float32)
 
 
 @needs_thp
