@@ -112,6 +112,7 @@ INLINE void gather(const Call *c, const int32_t *pages, int64_t nk, int64_t ldk,
                    const int D, float *restrict kt, float *restrict v) {
     const int64_t esize = bf16 ? 2 : 4;
     const int64_t row = (int64_t)c->Hkv * D; /* elements of one token's K (or V) */
+    int64_t done = 0; /* keys written to kt (the 16-key groups' zero keys past nk included) */
 #if VW == 16
     if (!bf16) {
         for (int64_t p0 = 0; p0 < nk; p0 += 16) {
@@ -135,12 +136,10 @@ INLINE void gather(const Call *c, const int32_t *pages, int64_t nk, int64_t ldk,
                     _mm512_storeu_si512(kt + (int64_t)(d0 + j) * ldk + p0, r[j]);
             }
         }
-        for (int d = 0; d < D; d++)
-            for (int64_t p = (nk + 15) / 16 * 16; p < ldk; p++) kt[(int64_t)d * ldk + p] = 0.0f;
-        return;
+        done = (nk + 15) / 16 * 16;
     }
 #endif
-    for (int64_t p = 0; p < nk; p++) {
+    for (int64_t p = done; p < nk; p++) {
         const int64_t page = pages[p / c->P], slot = p % c->P;
         const char *k = (const char *)c->pool
                         + ((page * 2 * c->P + slot) * row + (int64_t)h * D) * esize;
@@ -157,7 +156,7 @@ INLINE void gather(const Call *c, const int32_t *pages, int64_t nk, int64_t ldk,
         }
     }
     for (int d = 0; d < D; d++)
-        for (int64_t p = nk; p < ldk; p++) kt[(int64_t)d * ldk + p] = 0.0f;
+        for (int64_t p = done > nk ? done : nk; p < ldk; p++) kt[(int64_t)d * ldk + p] = 0.0f;
 }
 
 /* NR (1 or RB) query rows qf[r * D ..] with key limits lim[r] (row r sees keys < lim[r]; the
