@@ -15,9 +15,11 @@
  * Why one C call: on a CPU a decode step's LoRA is many tiny products (segments x layers x
  * projections); as torch ops each costs a fixed ~5 us whatever its size, here a few hundred ns.
  *
- * Work is split in two phases, each parallel over OpenMP threads when num_threads > 1:
- * shrinks per (segment, module), then expands per (segment, module, column tile), dealt
- * round-robin. Segments must
+ * Long float32 segments (prefill: LONG_ROWS rows or more, float32 x and blocks) run tile by
+ * tile of rows instead, shrink and expand fused (see "Long float32 segments" below), as pieces
+ * of rows dealt round-robin to the threads. The other segments' work is split in two phases,
+ * each parallel over OpenMP threads when num_threads > 1: shrinks per (segment, module), then
+ * expands per (segment, module, column tile), dealt round-robin. Segments must
  * not share rows and a table's modules must not share columns (the engine's fused slices):
  * no two work items write the same element of y.
  */
@@ -28,10 +30,8 @@
 #include "vector_width.h"
 
 #include "bf16_pairs.h"
-#ifdef HAVE_DPBF16
 #ifdef _OPENMP
 #include <omp.h>
-#endif
 #endif
 
 /* ISO C (-std=c11) turns FMA contraction off; a * b + c as one FMA is what every BLAS does,
@@ -356,6 +356,405 @@ DEFINE_EXPAND(expand_bf16, uint16_t, ld_bf16, LD1_bf16, STEP_OFF)
 DEFINE_EXPAND(expand_f32_spread, float, ld_f32, LD1_f32, STEP_ON)
 DEFINE_EXPAND(expand_bf16_spread, uint16_t, ld_bf16, LD1_bf16, STEP_ON)
 
+/* ---- Long float32 segments (prefill) ----------------------------------------------------
+ *
+ * A float32 segment of LONG_ROWS rows or more (float32 x and y, float32 blocks) runs tile by
+ * tile: LT rows at a time, the shrink of the tile (h, LT x the table's total rank, in L1) then
+ * its expand into those LT rows of y, while the next tile's rows of x and y are prefetched.
+ *
+ * The shrink has the ranks in vector lanes: the segment's A blocks (all the table's modules,
+ * ranks concatenated, padded to half a vector) are transposed once into At [d_in, rp] (a
+ * per-thread buffer, 16 x 16 in-register transposes), and each depth d is one load of At's
+ * row per vector of ranks and one broadcast of x per row: LT rows x up to 3 vectors of ranks
+ * in registers, no horizontal sums. The expand keeps LT rows x 3 vectors of columns in
+ * registers, each B^T load serving the tile's LT rows (h broadcast). Each h element and each
+ * y element is one chain of FMAs in a fixed order whatever the tiling or the threads (h over
+ * d, y's delta over the module's ranks), so the split of rows over threads changes no bit.
+ *
+ * Why: the decode-shaped kernels above (dot products with horizontal sums, two rows per B^T
+ * load) ran a prefill chunk's LoRA at about half the core's float32 FMA peak. This path is
+ * 1.4-1.8x faster on cpu_lora_bench.py's prefill chunk (17 segments of 31-200 rows, ranks 8
+ * and 16, SmolLM2's q/k/v and o; one Zen 4 core), 80-95% of peak with the blocks in cache.
+ * Below LONG_ROWS rows the packing of A and the tile's padded rows cost more than they save
+ * (measured: slower than the short path at 8-12 rows, even at 16 rows for o at rank 8). */
+enum { LT = 8 };         /* rows of a tile */
+enum { LONG_ROWS = 16 };  /* a float32 segment this long takes the long path */
+
+#define VH (VW / 2)
+typedef float vfh __attribute__((vector_size(4 * VH), aligned(4), may_alias));
+
+static inline vfh ld_half(const float *p) { return *(const vfh *)p; }
+
+/* The next piece's blocks to prefetch (into L2), in order, `rate` lines at each of the shrink's
+ * steps (16 depths): its A unless it is the same segment's, its B^T and its first tile's rows of
+ * x and y, spread over the current piece's first half. The adapters' blocks come from memory
+ * (30 layers of them do not stay in L3): without this the first tile of each segment waited on
+ * them, 1.1-1.2x on cpu_lora_bench.py's prefill chunk, one Zen 4 core. Prefetching each next
+ * tile's rows of x and y through the same steps (768 lines a tile for q/k/v) was 1.1-1.2x
+ * slower than a line per row at the loads' own pace (the shrink's x, the expand's y). */
+enum { PFQ = 16 };
+typedef struct {
+    cursor_t c[PFQ];
+    int w[PFQ];  /* with the intent to write (y) */
+    int n, at;
+    int64_t lines, rate;
+} pfq_t;
+
+static void pfq_add(pfq_t *q, const float *base, int64_t stride, int64_t rows, int64_t n,
+                    int w) {
+    if (q->n == PFQ || rows <= 0 || n <= 0) return;
+    cursor_init(&q->c[q->n], (int64_t)(intptr_t)base, stride, rows, 0, n, DT_F32);
+    q->lines += rows * q->c[q->n].row;
+    q->w[q->n++] = w;
+}
+
+static inline void pfq_step(pfq_t *q) {
+    for (int64_t k = q->rate; k > 0 && q->at < q->n;) {
+        cursor_t *c = &q->c[q->at];
+        if (c->left == 0) {
+            q->at++;
+            continue;
+        }
+        if (q->w[q->at])
+            __builtin_prefetch(c->p + c->at, 1, 2);
+        else
+            __builtin_prefetch(c->p + c->at, 0, 2);
+        k--;
+        c->at += 64;
+        if (--c->left == 0 && c->rows > 0) {
+            c->rows--;
+            c->p += c->stride;
+            c->at = 0;
+            c->left = c->row;
+        }
+    }
+}
+
+static inline int seg_long(const segment_t *sg, int64_t io_dtype) {
+    if (io_dtype != DT_F32 || sg->hi - sg->lo < LONG_ROWS) return 0;
+    for (int64_t j = 0; j < sg->num_modules; j++)
+        if (modules_of(sg)[j].dtype != DT_F32) return 0;
+    return 1;
+}
+
+/* the table's total rank, padded to half a vector: At's and h's row length */
+static inline int64_t seg_rp(const segment_t *sg) {
+    int64_t r = 0;
+    for (int64_t j = 0; j < sg->num_modules; j++) r += modules_of(sg)[j].rank;
+    return (r + VH - 1) / VH * VH;
+}
+
+#if VW == 16
+#include <immintrin.h>
+
+/* r[j][i] <- r[i][j] */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    /* u[4g + j]: lanes of 4 rows (group g) at columns j, 4 + j, 8 + j, 12 + j */
+    __m512 u[16];
+    for (int g = 0; g < 4; g++) {
+        u[4 * g] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
+        u[4 * g + 1] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0xee);
+        u[4 * g + 2] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
+        u[4 * g + 3] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xee);
+    }
+    for (int j = 0; j < 4; j++) {
+        const __m512 v0 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x88);
+        const __m512 v1 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xdd);
+        const __m512 w0 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x88);
+        const __m512 w1 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xdd);
+        r[j] = _mm512_shuffle_f32x4(v0, w0, 0x88);
+        r[8 + j] = _mm512_shuffle_f32x4(v0, w0, 0xdd);
+        r[4 + j] = _mm512_shuffle_f32x4(v1, w1, 0x88);
+        r[12 + j] = _mm512_shuffle_f32x4(v1, w1, 0xdd);
+    }
+}
+#endif
+
+/* At[d * rp + r0_m + k] = A_m[k, d] for every module m (r0_m: the ranks before it), zeros in
+ * the padding columns */
+static void pack_at(const segment_t *sg, int64_t d_in, float *restrict At, int64_t rp) {
+    const module_t *mods = modules_of(sg);
+    int64_t r0 = 0;
+    for (int64_t j = 0; j < sg->num_modules; r0 += mods[j].rank, j++) {
+        const float *A = (const float *)(intptr_t)mods[j].a;
+        const int64_t as = mods[j].a_stride, rank = mods[j].rank;
+#if VW == 16
+        for (int64_t k0 = 0; k0 < rank; k0 += 16) {
+            const int64_t nk = rank - k0 < 16 ? rank - k0 : 16;
+            const __mmask16 km = (__mmask16)((1u << nk) - 1);
+            for (int64_t d0 = 0; d0 < d_in; d0 += 16) {
+                const int64_t nd = d_in - d0 < 16 ? d_in - d0 : 16;
+                const __mmask16 dm = (__mmask16)((1u << nd) - 1);
+                __m512 r[16];
+                for (int k = 0; k < 16; k++)
+                    r[k] = k < nk ? _mm512_maskz_loadu_ps(dm, A + (k0 + k) * as + d0)
+                                  : _mm512_setzero_ps();
+                transpose16(r);
+                for (int c = 0; c < nd; c++)
+                    _mm512_mask_storeu_ps(At + (d0 + c) * rp + r0 + k0, km, r[c]);
+            }
+        }
+#else
+        for (int64_t k = 0; k < rank; k++)
+            for (int64_t d = 0; d < d_in; d++) At[d * rp + r0 + k] = A[k * as + d];
+#endif
+    }
+    if (r0 < rp)
+        for (int64_t d = 0; d < d_in; d++)
+            for (int64_t c = r0; c < rp; c++) At[d * rp + c] = 0;
+}
+
+/* h[i * rp + c0 + c] = x_i . At[:, c0 + c] for the tile's LT rows (xr[i]) and nv vectors plus
+ * nh half vectors of ranks from c0; the next tile's rows of x (xn, or NULL) prefetched a line
+ * a row each 16 depths, and the next piece's blocks stepped through pq */
+static inline __attribute__((always_inline)) void shrink_tile(
+    const float *const *xr, const float *const *xn, int64_t d_in, const float *restrict At,
+    int64_t rp, int64_t c0, float *restrict h, const int nv, const int nh, pfq_t *pq) {
+    vf acc[LT][3];
+    vfh acch[LT];
+    for (int i = 0; i < LT; i++) {
+        for (int v = 0; v < 3; v++) acc[i][v] = (vf){0};
+        acch[i] = (vfh){0};
+    }
+    const float *a = At + c0;
+#define SHRINK_STEP(d)                                                      \
+    do {                                                                    \
+        const float *ad = a + (d) * rp;                                     \
+        vf a0 = {0}, a1 = {0}, a2 = {0};                                    \
+        vfh ah = {0};                                                       \
+        if (nv > 0) a0 = ld_f32(ad);                                        \
+        if (nv > 1) a1 = ld_f32(ad + VW);                                   \
+        if (nv > 2) a2 = ld_f32(ad + 2 * VW);                               \
+        if (nh) ah = ld_half(ad + nv * VW);                                 \
+        for (int i = 0; i < LT; i++) {                                      \
+            const float xv = xr[i][d];                                      \
+            if (nv > 0) acc[i][0] += xv * a0;                               \
+            if (nv > 1) acc[i][1] += xv * a1;                               \
+            if (nv > 2) acc[i][2] += xv * a2;                               \
+            if (nh) acch[i] += xv * ah;                                     \
+        }                                                                   \
+    } while (0)
+    int64_t d0 = 0;
+    for (; d0 + 16 <= d_in; d0 += 16) {
+        if (xn != NULL)
+            for (int i = 0; i < LT; i++) __builtin_prefetch(xn[i] + d0, 0, 2);
+        pfq_step(pq);
+#pragma GCC unroll 4
+        for (int64_t d = d0; d < d0 + 16; d++) SHRINK_STEP(d);
+    }
+    for (int64_t d = d0; d < d_in; d++) SHRINK_STEP(d);
+#undef SHRINK_STEP
+    for (int i = 0; i < LT; i++) {
+        float *hr = h + i * rp + c0;
+        for (int v = 0; v < nv; v++) *(vf *)(hr + v * VW) = acc[i][v];
+        if (nh) *(vfh *)(hr + nv * VW) = acch[i];
+    }
+}
+
+#define DEFINE_SHRINK_TILE(NV, NH)                                                          \
+    static void shrink_tile_##NV##_##NH(const float *const *xr, const float *const *xn,    \
+                                        int64_t d_in, const float *At, int64_t rp,         \
+                                        int64_t c0, float *h, pfq_t *pq) {                 \
+        shrink_tile(xr, xn, d_in, At, rp, c0, h, NV, NH, pq);                              \
+    }
+DEFINE_SHRINK_TILE(3, 0)
+DEFINE_SHRINK_TILE(2, 1)
+DEFINE_SHRINK_TILE(2, 0)
+DEFINE_SHRINK_TILE(1, 1)
+DEFINE_SHRINK_TILE(1, 0)
+DEFINE_SHRINK_TILE(0, 1)
+
+/* yr[i][c] += scale * sum_k ht[k * LT + i] B[k * bs + c] for the tile's first n rows and nv
+ * vectors of columns (ht: h rank-major from the module's first rank); the next tile's rows of y
+ * at these columns (yn, or NULL) prefetched for writing */
+static inline __attribute__((always_inline)) void expand_tile(
+    const float *restrict ht, int64_t rank, const float *B, int64_t bs, float *const *yr,
+    float *const *yn, int64_t n, float scale, const int nv) {
+    if (yn != NULL)
+        for (int i = 0; i < LT; i++)
+            for (int v = 0; v < nv; v++) __builtin_prefetch(yn[i] + v * VW, 1, 2);
+    vf acc[LT][3];
+    for (int i = 0; i < LT; i++)
+        for (int v = 0; v < 3; v++) acc[i][v] = (vf){0};
+    for (int64_t k = 0; k < rank; k++) {
+        const float *b = B + k * bs;
+        vf b0 = {0}, b1 = {0}, b2 = {0};
+        if (nv > 0) b0 = ld_f32(b);
+        if (nv > 1) b1 = ld_f32(b + VW);
+        if (nv > 2) b2 = ld_f32(b + 2 * VW);
+        for (int i = 0; i < LT; i++) {
+            const float hv = ht[k * LT + i];
+            if (nv > 0) acc[i][0] += hv * b0;
+            if (nv > 1) acc[i][1] += hv * b1;
+            if (nv > 2) acc[i][2] += hv * b2;
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < LT; i++)
+        if (i < n) {
+#pragma GCC unroll 3
+            for (int v = 0; v < nv; v++) {
+                float *p = yr[i] + v * VW;
+                *(vf *)p = ld_f32(p) + scale * acc[i][v];
+            }
+        }
+}
+
+#define DEFINE_EXPAND_TILE(NV)                                                              \
+    static void expand_tile_##NV(const float *ht, int64_t rank, const float *B, int64_t bs, \
+                                 float *const *yr, float *const *yn, int64_t n,            \
+                                 float scale) {                                             \
+        expand_tile(ht, rank, B, bs, yr, yn, n, scale, NV);                                 \
+    }
+DEFINE_EXPAND_TILE(3)
+DEFINE_EXPAND_TILE(2)
+DEFINE_EXPAND_TILE(1)
+
+/* the last nc < VW columns: as expand_tile's one vector, B and y read and written masked */
+static void expand_tail(const float *restrict ht, int64_t rank, const float *B,
+                        int64_t bs, float *const *yr, int64_t n, float scale, int64_t nc) {
+#if VW == 16
+    const __mmask16 cm = (__mmask16)((1u << nc) - 1);
+    __m512 acc[LT];
+    for (int i = 0; i < LT; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < rank; k++) {
+        const __m512 b = _mm512_maskz_loadu_ps(cm, B + k * bs);
+        for (int i = 0; i < LT; i++)
+            acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(ht[k * LT + i]), b, acc[i]);
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const __m512 old = _mm512_maskz_loadu_ps(cm, yr[i]);
+        _mm512_mask_storeu_ps(yr[i], cm, _mm512_fmadd_ps(_mm512_set1_ps(scale), acc[i], old));
+    }
+#else
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t c = 0; c < nc; c++) {
+            float s = 0;
+            for (int64_t k = 0; k < rank; k++) s += ht[k * LT + i] * B[k * bs + c];
+            yr[i][c] += scale * s;
+        }
+#endif
+}
+
+/* the columns of y the segment's table writes: [*lo, *hi) */
+static void seg_cols(const segment_t *sg, int64_t *lo, int64_t *hi) {
+    const module_t *mods = modules_of(sg);
+    int64_t cmin = INT64_MAX, cmax = 0;
+    for (int64_t j = 0; j < sg->num_modules; j++)
+        if (mods[j].end > mods[j].start) {
+            cmin = mods[j].start < cmin ? mods[j].start : cmin;
+            cmax = mods[j].end > cmax ? mods[j].end : cmax;
+        }
+    *lo = cmin > cmax ? cmax : cmin;
+    *hi = cmax;
+}
+
+/* the next piece's blocks (A unless the segment is the same, B^T) and its first tile's rows */
+static void pfq_piece(pfq_t *q, const segment_t *cur, const segment_t *sg, int64_t lo,
+                      int64_t hi, const float *x, int64_t xs, float *y, int64_t ys,
+                      int64_t d_in) {
+    if (sg != cur) {
+        const module_t *mods = modules_of(sg);
+        for (int64_t j = 0; j < sg->num_modules; j++)
+            pfq_add(q, (const float *)(intptr_t)mods[j].a, mods[j].a_stride, mods[j].rank, d_in,
+                    0);
+        for (int64_t j = 0; j < sg->num_modules; j++)
+            pfq_add(q, (const float *)(intptr_t)mods[j].b, mods[j].b_stride, mods[j].rank,
+                    mods[j].end - mods[j].start, 0);
+    }
+    int64_t cmin, cmax;
+    seg_cols(sg, &cmin, &cmax);
+    const int64_t n = hi - lo < LT ? hi - lo : LT;
+    pfq_add(q, x + lo * xs, xs, n, d_in, 0);
+    pfq_add(q, y + lo * ys + cmin, ys, n, cmax - cmin, 1);
+}
+
+/* rows lo:hi of segment sg (absolute rows of x and y), tile by tile; At holds the segment's
+ * packed A (rp columns), hb 2 LT x rp floats (h row-major, then rank-major); pq the next
+ * piece's prefetches */
+static void long_rows(const segment_t *sg, int64_t lo, int64_t hi, const float *x, int64_t xs,
+                      float *y, int64_t ys, int64_t d_in, float scale, const float *At,
+                      float *hb, int64_t rp, pfq_t *pq) {
+    const module_t *mods = modules_of(sg);
+    float *const ht = hb + LT * rp;
+    /* the shrink's steps per tile (16 depths of each chunk of ranks): the next piece's
+     * prefetches over the first half of this one's */
+    int64_t chunks = 0;
+    for (int64_t c0 = 0; c0 < rp; chunks++)
+        c0 += rp - c0 >= 3 * VW ? 3 * VW : rp - c0 >= 2 * VW ? 2 * VW : rp - c0 >= VW ? VW : VH;
+    const int64_t steps = chunks * (d_in / 16), tiles = (hi - lo + LT - 1) / LT;
+    if (steps > 0) pq->rate = 2 * ((pq->lines + steps * tiles - 1) / (steps * tiles));
+    for (int64_t t = lo; t < hi; t += LT) {
+        const int64_t n = hi - t < LT ? hi - t : LT, nn = hi - t - LT < LT ? hi - t - LT : LT;
+        const float *xr[LT], *xn[LT];  /* this tile's rows of x and the next one's */
+        for (int i = 0; i < LT; i++) {
+            xr[i] = x + (t + (i < n ? i : n - 1)) * xs;
+            xn[i] = nn > 0 ? x + (t + LT + (i < nn ? i : nn - 1)) * xs : NULL;
+        }
+        const float *const *xnp = nn > 0 ? xn : NULL;
+        for (int64_t c0 = 0; c0 < rp;) {
+            const int64_t left = rp - c0;
+            if (left >= 3 * VW) {
+                shrink_tile_3_0(xr, xnp, d_in, At, rp, c0, hb, pq);
+                c0 += 3 * VW;
+            } else if (left == 2 * VW + VH) {
+                shrink_tile_2_1(xr, xnp, d_in, At, rp, c0, hb, pq);
+                c0 += 2 * VW + VH;
+            } else if (left == 2 * VW) {
+                shrink_tile_2_0(xr, xnp, d_in, At, rp, c0, hb, pq);
+                c0 += 2 * VW;
+            } else if (left == VW + VH) {
+                shrink_tile_1_1(xr, xnp, d_in, At, rp, c0, hb, pq);
+                c0 += VW + VH;
+            } else if (left == VW) {
+                shrink_tile_1_0(xr, xnp, d_in, At, rp, c0, hb, pq);
+                c0 += VW;
+            } else {
+                shrink_tile_0_1(xr, xnp, d_in, At, rp, c0, hb, pq);
+                c0 += VH;
+            }
+            xnp = NULL;  /* the next rows of x once */
+        }
+        /* h rank-major (ht[k * LT + i]): the expand's broadcasts at fixed offsets from one
+         * pointer (with h's rows rp apart gcc ran out of registers and reloaded them) */
+        for (int64_t k = 0; k < rp; k++)
+            for (int i = 0; i < LT; i++) ht[k * LT + i] = hb[i * rp + k];
+        int64_t r0 = 0;
+        for (int64_t j = 0; j < sg->num_modules; r0 += mods[j].rank, j++) {
+            const module_t *m = &mods[j];
+            const float *B = (const float *)(intptr_t)m->b;
+            const int64_t width = m->end - m->start, rank = m->rank, bs = m->b_stride;
+            const float *h = ht + r0 * LT;
+            float *yr[LT], *yn[LT];  /* this tile's rows of y at column c and the next one's */
+            for (int i = 0; i < LT; i++) {
+                yr[i] = y + (t + (i < n ? i : 0)) * ys + m->start;
+                yn[i] = nn > 0 ? y + (t + LT + (i < nn ? i : 0)) * ys + m->start : yr[i];
+            }
+            float *const *ynp = nn > 0 ? yn : NULL;
+            int64_t c = 0;
+            for (; c + 3 * VW <= width; c += 3 * VW) {
+                expand_tile_3(h, rank, B + c, bs, yr, ynp, n, scale);
+                for (int i = 0; i < LT; i++) yr[i] += 3 * VW, yn[i] += 3 * VW;
+            }
+            if (width - c >= 2 * VW) {
+                expand_tile_2(h, rank, B + c, bs, yr, ynp, n, scale);
+                for (int i = 0; i < LT; i++) yr[i] += 2 * VW, yn[i] += 2 * VW;
+                c += 2 * VW;
+            } else if (width - c >= VW) {
+                expand_tile_1(h, rank, B + c, bs, yr, ynp, n, scale);
+                for (int i = 0; i < LT; i++) yr[i] += VW, yn[i] += VW;
+                c += VW;
+            }
+            if (c < width) expand_tail(h, rank, B + c, bs, yr, n, scale, width - c);
+        }
+    }
+}
+
 int64_t loraplex_lora_abi(void) { return 1; }
 
 /* The checks both entry points make before any write: 0, or 1 a segment's rows outside x, 2 a
@@ -389,10 +788,20 @@ int64_t loraplex_lora_short(const void *x, int64_t x_stride, void *y, int64_t y_
     if (io_dtype != DT_F32 && io_dtype != DT_BF16) return 4;
     const int64_t bad = check_segments(segs, num_segments, num_rows, d_in, y_cols, 0);
     if (bad) return bad;
-    /* the sizes of h (every segment's rows x its modules' total rank) and of the work lists */
+    const int nt = num_threads > 1 ? (int)num_threads : 1;
+    /* the sizes of h (every short segment's rows x its modules' total rank) and of the work
+     * lists; the long float32 segments' pieces (rows split over the threads in whole tiles)
+     * and the widest padded rank among them */
     int64_t h_total = 0, num_shrinks = 0, num_items = 0, f32_blocks = 0;
+    int64_t num_long = 0, rp_max = 0;
     for (int64_t s = 0; s < num_segments; s++) {
         const segment_t *sg = &segs[s];
+        if (seg_long(sg, io_dtype)) {
+            const int64_t tiles = (sg->hi - sg->lo + LT - 1) / LT, rp = seg_rp(sg);
+            num_long += tiles < nt ? tiles : nt;
+            rp_max = rp > rp_max ? rp : rp_max;
+            continue;
+        }
         int64_t rank = 0;
         for (int64_t j = 0; j < sg->num_modules; j++) {
             const module_t *m = &modules_of(sg)[j];
@@ -423,16 +832,37 @@ int64_t loraplex_lora_short(const void *x, int64_t x_stride, void *y, int64_t y_
     float *h = malloc((size_t)(h_total + 1) * sizeof(float));
     work_t *work = malloc((size_t)(num_shrinks + num_items + 1) * sizeof(work_t));
     float *xw = widened ? malloc((size_t)(num_rows * d_in + 1) * sizeof(float)) : NULL;
-    if (h == NULL || work == NULL || (widened && xw == NULL)) {
+    /* the long pieces (segment, rows) and each thread's At (d_in x rp_max) and h tile
+     * (LT x rp_max), 64-byte aligned */
+    typedef struct {
+        const segment_t *sg;
+        int64_t lo, hi;
+        float scale;
+    } piece_t;
+    const int64_t per_thread = (d_in * rp_max + 2 * LT * rp_max + 15) / 16 * 16;
+    piece_t *pieces = num_long ? malloc((size_t)num_long * sizeof(piece_t)) : NULL;
+    float *scratch = num_long ? malloc((size_t)(nt * per_thread + 16) * sizeof(float)) : NULL;
+    if (h == NULL || work == NULL || (widened && xw == NULL) ||
+        (num_long && (pieces == NULL || scratch == NULL))) {
         free(h);
         free(work);
         free(xw);
+        free(pieces);
+        free(scratch);
         return 5;
     }
-    int64_t ns = 0, ni = num_shrinks, h_at = 0;
+    int64_t ns = 0, ni = num_shrinks, h_at = 0, np = 0;
     for (int64_t s = 0; s < num_segments; s++) {
         const segment_t *sg = &segs[s];
         const module_t *mods = modules_of(sg);
+        if (seg_long(sg, io_dtype)) {
+            const int64_t tiles = (sg->hi - sg->lo + LT - 1) / LT;
+            const int64_t parts = tiles < nt ? tiles : nt, per = (tiles + parts - 1) / parts;
+            for (int64_t lo = sg->lo; lo < sg->hi; lo += per * LT)
+                pieces[np++] = (piece_t){sg, lo, lo + per * LT < sg->hi ? lo + per * LT : sg->hi,
+                                         scales[s]};
+            continue;
+        }
         if (xw != NULL)  /* x widened once for bf16, only the rows a segment uses */
             for (int64_t i = sg->lo; i < sg->hi; i++)
                 widen((const uint16_t *)x + i * x_stride, xw + i * d_in, d_in);
@@ -450,9 +880,38 @@ int64_t loraplex_lora_short(const void *x, int64_t x_stride, void *y, int64_t y_
     }
     const float *xf = xw != NULL ? xw : (const float *)x;
     const int64_t elem = io_dtype == DT_F32 ? 4 : 2;
-    const int nt = num_threads > 1 ? (int)num_threads : 1;
+    float *const aligned_scratch =
+        scratch != NULL ? scratch + (16 - ((uintptr_t)scratch / 4) % 16) % 16 : NULL;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
+        /* the long segments' pieces first (nowait: a thread done with them goes on to the
+         * short items), each packing its segment's A unless the thread's last piece was of
+         * the same segment */
+        if (np > 0) {
+            int me = 0;
+#ifdef _OPENMP
+            me = omp_get_thread_num();
+#endif
+            float *At = aligned_scratch + me * per_thread, *hb = At + d_in * rp_max;
+            const segment_t *packed = NULL;
+            /* round-robin, so that each thread knows its next piece (p + nt) and prefetches
+             * it; a segment's nt pieces go one to each thread */
+#pragma omp for schedule(static, 1) nowait
+            for (int64_t p = 0; p < np; p++) {
+                const piece_t *pc = &pieces[p];
+                const int64_t rp = seg_rp(pc->sg);
+                if (pc->sg != packed) pack_at(pc->sg, d_in, At, rp);
+                packed = pc->sg;
+                pfq_t pq = {0};
+                if (p + nt < np) {
+                    const piece_t *nx = &pieces[p + nt];
+                    pfq_piece(&pq, pc->sg, nx->sg, nx->lo, nx->hi, (const float *)x, x_stride,
+                              (float *)y, y_stride, d_in);
+                }
+                long_rows(pc->sg, pc->lo, pc->hi, (const float *)x, x_stride, (float *)y,
+                          y_stride, d_in, pc->scale, At, hb, rp, &pq);
+            }
+        }
         /* Items go round-robin, so that each thread knows its next one (t + nt) and
          * prefetches it: with dynamic scheduling the next item was the other thread's, and
          * two threads ran a decode step's q/k/v LoRA 1.6x faster than one instead of 2.1x. */
@@ -506,6 +965,8 @@ int64_t loraplex_lora_short(const void *x, int64_t x_stride, void *y, int64_t y_
     free(h);
     free(work);
     free(xw);
+    free(pieces);
+    free(scratch);
     return 0;
 }
 
