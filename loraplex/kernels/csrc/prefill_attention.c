@@ -21,12 +21,16 @@
  * float32 or bfloat16, one dtype for q, pool and out. D must be a multiple of 16.
  *
  * A task is a sequence, one KV head and a block of up to 256 queries (QBLOCKS). It gathers the keys
- * the block can see, transposed ([D, L'] with L' rounded up to KTILE, zero past the end), and
- * the values ([L', D]), into per-thread float32 buffers once; then the G * qblock query rows
- * go RB at a time through two register-blocked products: scores = Q K^T as RB x KTILE tiles
- * (each key column loaded once for RB rows), an exact softmax per row over the keys it may
- * see (the block's later keys masked to -inf, so exp gives 0), and out = P V as RB x D tiles
- * (each value row loaded once for RB rows). The causal upper triangle is skipped a tile of
+ * the block can see, transposed ([D, L'] with L' rounded up to KTILE, zero past the end), into a
+ * per-thread float32 buffer once, and a pointer to each key's value row (float32 values read in
+ * place from the pool, bf16 ones widened into a buffer); then the G * qblock query rows go RB at
+ * a time through two register-blocked products: scores = Q K^T as RB x KTILE tiles (each key
+ * column loaded once for RB rows; float32 query rows read in place), an exact softmax per row
+ * over the keys it may see (the block's later keys masked to -inf as the scores are stored, so
+ * exp gives 0), and out = P V as PB x D tiles (each value row loaded once for PB rows; float32
+ * outputs written in place). On a Zen 4 core (AVX-512, SmolLM2's 9/3 heads, 16 prompts of
+ * 64-128 tokens) the masking in the score pass, the in-place rows and the value row held in a
+ * register made the float32 kernel 1.25x faster, the same bits (docs/benchmarks.md). The causal upper triangle is skipped a tile of
  * KTILE keys at a time. Tiles are in the machine's vectors (attention.h's VW): with AVX-512
  * RB = 8 score rows (P V four rows at a time, PB) and KTILE = 32, with AVX2 RB = PB = 2 and
  * KTILE = 16. Against torch's fused SDPA on one
@@ -104,12 +108,15 @@ INLINE void transpose16(__m512i r[16]) {
 
 #endif
 
-/* Keys 0 .. nk - 1 of KV head h into kt ([D, ldk], transposed, zero from nk to ldk) and their
- * values into v ([nk, D]), float32. Float32 keys with AVX-512 go 16 keys x 16 elements at a
- * time through transpose16 (1.09x of the whole kernel at SmolLM2's shapes on a Zen 4 core,
- * against a scalar store per element; the same values). */
+/* Keys 0 .. nk - 1 of KV head h into kt ([D, ldk], transposed, zero from nk to ldk), and each
+ * key's value row into vrows[p]: float32 values are read in place from the pool (a pointer per
+ * key, no copy: 1.03-1.1x of the whole kernel at SmolLM2's shapes on a Zen 4 core), bf16 ones
+ * widened into v ([nk, D]) first. Float32 keys with AVX-512 go 16 keys x 16 elements at a time
+ * through transpose16 (1.09x of the whole kernel, against a scalar store per element; the
+ * same values). */
 INLINE void gather(const Call *c, const int32_t *pages, int64_t nk, int64_t ldk, int h, int bf16,
-                   const int D, float *restrict kt, float *restrict v) {
+                   const int D, float *restrict kt, float *restrict v,
+                   const float **restrict vrows) {
     const int64_t esize = bf16 ? 2 : 4;
     const int64_t row = (int64_t)c->Hkv * D; /* elements of one token's K (or V) */
     int64_t done = 0; /* keys written to kt (the 16-key groups' zero keys past nk included) */
@@ -124,7 +131,7 @@ INLINE void gather(const Call *c, const int32_t *pages, int64_t nk, int64_t ldk,
                     const int64_t page = pages[p / c->P], slot = p % c->P;
                     k[e] = (const float *)c->pool + (page * 2 * c->P + slot) * row
                            + (int64_t)h * D;
-                    memcpy(v + p * D, k[e] + (int64_t)c->P * row, sizeof(float) * (size_t)D);
+                    vrows[p] = k[e] + (int64_t)c->P * row;
                 }
             }
             for (int d0 = 0; d0 < D; d0 += 16) {
@@ -144,57 +151,73 @@ INLINE void gather(const Call *c, const int32_t *pages, int64_t nk, int64_t ldk,
         const char *k = (const char *)c->pool
                         + ((page * 2 * c->P + slot) * row + (int64_t)h * D) * esize;
         const char *vv = k + (int64_t)c->P * row * esize;
-        float *vrow = v + p * D;
         if (bf16) {
             /* two loops: the value row's widening vectorises on its own (1.1x at 9/3 heads) */
+            float *vrow = v + p * D;
             for (int d = 0; d < D; d++)
                 kt[(int64_t)d * ldk + p] = bf16_to_f32(((const uint16_t *)k)[d]);
             for (int d = 0; d < D; d++) vrow[d] = bf16_to_f32(((const uint16_t *)vv)[d]);
+            vrows[p] = vrow;
         } else {
             for (int d = 0; d < D; d++) kt[(int64_t)d * ldk + p] = ((const float *)k)[d];
-            memcpy(vrow, vv, sizeof(float) * (size_t)D);
+            vrows[p] = (const float *)vv;
         }
     }
     for (int d = 0; d < D; d++)
         for (int64_t p = done > nk ? done : nk; p < ldk; p++) kt[(int64_t)d * ldk + p] = 0.0f;
 }
 
-/* NR (1 or RB) query rows qf[r * D ..] with key limits lim[r] (row r sees keys < lim[r]; the
- * largest is lim[NR - 1]): their attention outputs into o[r * D ..], float32. s: NR * ldk. */
-INLINE void rows_attend(const float *restrict qf, const int64_t *lim, const int NR, const int D,
-                        const float *restrict kt, int64_t ldk, const float *restrict v,
-                        float scale, float *restrict s, float *restrict o) {
+/* NR (1 or RB) query rows q[r] (D floats each) with key limits lim[r] (row r sees keys <
+ * lim[r]; the largest is lim[NR - 1]): their attention outputs into o[r] (D floats), float32.
+ * Value rows vrows[p]. s: NR * ldk. */
+INLINE void rows_attend(const float *const *q, const int64_t *lim, const int NR, const int D,
+                        const float *restrict kt, int64_t ldk, const float *const *vrows,
+                        float scale, float *restrict s, float *const *o) {
     const int64_t top = lim[NR - 1], tiles = (top + KTILE - 1) / KTILE;
-    /* scores, NR x KTILE at a time: each key column is loaded once for the NR rows */
+    vwi iota;
+    for (int e = 0; e < VW; e++) iota[e] = e;
+    const vwf ninf = (vwf){0} - INFINITY;
+    vwf vm[RB];
+    for (int r = 0; r < NR; r++) vm[r] = ninf;
+    /* scores, NR x KTILE at a time: each key column is loaded once for the NR rows; each row's
+     * keys past its own masked to -inf (so exp gives 0) and its maximum taken as they are
+     * stored. The last tile computes only its first vector where the keys end in it. */
     for (int64_t t = 0; t < tiles; t++) {
+        const int64_t lo = t * KTILE;
         vwf acc[RB][2];
         for (int r = 0; r < NR; r++) acc[r][0] = acc[r][1] = (vwf){0};
-        const float *col = kt + t * KTILE;
-        for (int d = 0; d < D; d++) {
-            const vwf k0 = loadw(col + (int64_t)d * ldk), k1 = loadw(col + (int64_t)d * ldk + VW);
-            for (int r = 0; r < NR; r++) {
-                const float qd = qf[r * D + d];
-                acc[r][0] += qd * k0;
-                acc[r][1] += qd * k1;
+        const float *col = kt + lo;
+        if (top - lo > VW) {
+            for (int d = 0; d < D; d++) {
+                const vwf k0 = loadw(col + (int64_t)d * ldk);
+                const vwf k1 = loadw(col + (int64_t)d * ldk + VW);
+                for (int r = 0; r < NR; r++) {
+                    const float qd = q[r][d];
+                    acc[r][0] += qd * k0;
+                    acc[r][1] += qd * k1;
+                }
+            }
+        } else {
+            for (int d = 0; d < D; d++) {
+                const vwf k0 = loadw(col + (int64_t)d * ldk);
+                for (int r = 0; r < NR; r++) acc[r][0] += q[r][d] * k0;
             }
         }
-        for (int r = 0; r < NR; r++) {
-            storew(s + r * ldk + t * KTILE, acc[r][0] * scale);
-            storew(s + r * ldk + t * KTILE + VW, acc[r][1] * scale);
-        }
+        for (int r = 0; r < NR; r++)
+            for (int e = 0; e < 2; e++) {
+                /* lanes whose key lo + e VW + lane is under the row's limit */
+                const vwi live = iota < (vwi){0} + (int32_t)(lim[r] - lo - e * VW);
+                const vwf x = (vwf)(((vwi)(acc[r][e] * scale) & live) | ((vwi)ninf & ~live));
+                storew(s + r * ldk + lo + e * VW, x);
+                vm[r] = (vwf)(((vwi)x & (x > vm[r])) | ((vwi)vm[r] & ~(x > vm[r])));
+            }
     }
-    /* exact softmax per row over its own keys; the rest of its tiles -inf, so exp gives 0 */
+    /* exact softmax per row over its own keys (the rest are -inf) */
     float inv[RB];
     for (int r = 0; r < NR; r++) {
         float *sr = s + r * ldk;
-        for (int64_t p = lim[r]; p < tiles * KTILE; p++) sr[p] = -INFINITY;
-        vwf vm = (vwf){0} - INFINITY;
-        for (int64_t p = 0; p < tiles * KTILE; p += VW) {
-            const vwf x = loadw(sr + p);
-            vm = (vwf)(((vwi)x & (x > vm)) | ((vwi)vm & ~(x > vm)));
-        }
         float m = -INFINITY;
-        for (int e = 0; e < VW; e++) m = vm[e] > m ? vm[e] : m;
+        for (int e = 0; e < VW; e++) m = vm[r][e] > m ? vm[r][e] : m;
         vwf vs = {0};
         for (int64_t p = 0; p < tiles * KTILE; p += VW) {
             const vwf x = expw(loadw(sr + p) - m);
@@ -203,7 +226,8 @@ INLINE void rows_attend(const float *restrict qf, const int64_t *lim, const int 
         }
         inv[r] = 1.0f / hsumw(vs);
     }
-    /* out = P V, PB x D at a time: each value row is loaded once for PB rows */
+    /* out = P V, PB x D at a time: each value row is loaded once (into a register: gcc
+     * otherwise folded it into every row's FMA as a memory operand) for PB rows */
     const int NP = NR < PB ? NR : PB;
     for (int r0 = 0; r0 < NR; r0 += NP) {
         vwf acc[PB][D / VW];
@@ -211,20 +235,25 @@ INLINE void rows_attend(const float *restrict qf, const int64_t *lim, const int 
         for (int r = 0; r < NP; r++)
             for (int e = 0; e < D / VW; e++) acc[r][e] = (vwf){0};
         for (int64_t p = 0; p < ptop; p++) {
-            const float *vr = v + p * D;
+            const float *vr = vrows[p];
             for (int e = 0; e < D / VW; e++) {
-                const vwf ve = loadw(vr + VW * e);
+                vwf ve = loadw(vr + VW * e);
+#if defined(__x86_64__) || defined(__i386__)
+                __asm__("" : "+v"(ve));
+#endif
                 for (int r = 0; r < NP; r++) acc[r][e] += s[(r0 + r) * ldk + p] * ve;
             }
         }
         for (int r = 0; r < NP; r++)
             for (int e = 0; e < D / VW; e++)
-                storew(o + (r0 + r) * D + VW * e, acc[r][e] * inv[r0 + r]);
+                storew(o[r0 + r] + VW * e, acc[r][e] * inv[r0 + r]);
     }
 }
 
 /* Task `task`: KV head task % Hkv of its sequence, queries task_q0 .. + qblock. buf holds
- * D * ldk + ldk * D + RB * ldk + 2 * RB * D floats for ldk = max_keys rounded up to KTILE. */
+ * D * ldk + ldk * D + RB * ldk + 2 * RB * D floats for ldk = max_keys rounded up to KTILE,
+ * then ldk value row pointers. Float32 query rows are read, and output rows written, in place;
+ * bf16 ones go through qf and o (widened, rounded). */
 INLINE void task_body(const Call *c, int64_t task, float *buf, int bf16, const int D) {
     const int h = (int)(task % c->Hkv);
     const int64_t block = task / c->Hkv, i = c->task_seq[block], a0 = c->task_q0[block];
@@ -235,36 +264,42 @@ INLINE void task_body(const Call *c, int64_t task, float *buf, int bf16, const i
     const int64_t ldmax = (c->max_keys + KTILE - 1) / KTILE * KTILE;
     float *kt = buf, *v = kt + (int64_t)D * ldmax, *s = v + ldmax * D, *qf = s + RB * ldmax;
     float *o = qf + RB * D;
-    gather(c, c->page_table + c->table_rows[i] * c->table_stride, nk, ldk, h, bf16, D, kt, v);
+    const float **vrows = (const float **)(void *)(o + RB * D);
+    gather(c, c->page_table + c->table_rows[i] * c->table_stride, nk, ldk, h, bf16, D, kt, v,
+           vrows);
     const int64_t esize = bf16 ? 2 : 4;
     for (int g = 0; g < c->G; g++) {
         const int64_t head = (int64_t)(h * c->G + g) * D;
         for (int64_t a = 0; a < na;) {
             const int nr = na - a >= RB ? RB : 1;
             int64_t lim[RB];
+            const float *qr[RB];
+            float *outr[RB];
             for (int r = 0; r < nr; r++) {
                 const int64_t row = c->q_starts[i] + a0 + a + r;
-                const char *qr = (const char *)c->q + (row * c->q_stride + head) * esize;
-                for (int d = 0; d < D; d++)
-                    qf[r * D + d] = bf16 ? bf16_to_f32(((const uint16_t *)qr)[d])
-                                         : ((const float *)qr)[d];
+                const char *qb = (const char *)c->q + (row * c->q_stride + head) * esize;
+                if (bf16) {
+                    for (int d = 0; d < D; d++)
+                        qf[r * D + d] = bf16_to_f32(((const uint16_t *)qb)[d]);
+                    qr[r] = qf + r * D;
+                    outr[r] = o + r * D;
+                } else {
+                    qr[r] = (const float *)qb;
+                    outr[r] = (float *)c->out + row * c->out_stride + head;
+                }
                 lim[r] = L - n + a0 + a + r + 1;
             }
             if (nr == RB) {
-                rows_attend(qf, lim, RB, D, kt, ldk, v, c->scale, s, o);
+                rows_attend(qr, lim, RB, D, kt, ldk, vrows, c->scale, s, outr);
             } else {
-                rows_attend(qf, lim, 1, D, kt, ldk, v, c->scale, s, o);
+                rows_attend(qr, lim, 1, D, kt, ldk, vrows, c->scale, s, outr);
             }
-            for (int r = 0; r < nr; r++) {
-                const int64_t row = c->q_starts[i] + a0 + a + r;
-                char *orow = (char *)c->out + (row * c->out_stride + head) * esize;
-                if (bf16) {
-                    for (int d = 0; d < D; d++)
-                        ((uint16_t *)orow)[d] = f32_to_bf16(o[r * D + d]);
-                } else {
-                    memcpy(orow, o + r * D, sizeof(float) * (size_t)D);
+            if (bf16)
+                for (int r = 0; r < nr; r++) {
+                    const int64_t row = c->q_starts[i] + a0 + a + r;
+                    uint16_t *orow = (uint16_t *)c->out + row * c->out_stride + head;
+                    for (int d = 0; d < D; d++) orow[d] = f32_to_bf16(o[r * D + d]);
                 }
-            }
             a += nr;
         }
     }
@@ -539,7 +574,9 @@ int loraplex_prefill_attention(const void *q, int64_t q_stride, const void *pool
                     Hkv, G, D, P, scale, qblock};
     const int64_t num_tasks = blocks * Hkv;
     const int64_t ldmax = (max_keys + KTILE - 1) / KTILE * KTILE;
-    const size_t buf_floats = (size_t)(2 * D * ldmax + RB * ldmax + 2 * RB * D);
+    /* the last ldmax pointers' worth: task_body's value row pointers */
+    const size_t buf_floats = (size_t)(2 * D * ldmax + RB * ldmax + 2 * RB * D
+                                       + (size_t)ldmax * sizeof(const float *) / sizeof(float));
     int failed = 0;
 
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_tasks > 1)
