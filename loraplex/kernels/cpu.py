@@ -300,11 +300,12 @@ _SHORT_SEGMENT = 16
 # segments of 31-200 rows (`benchmarks/cpu_lora_bench.py --prefill`) and 1.06-1.78x on one
 # segment of 1536 rows (one Zen 4 core, SmolLM2's projections); segments of 16 rows or more now
 # take its tiled path (ranks in vector lanes, shrink and expand fused 8 rows at a time:
-# ``csrc/lora.c``, "Long float32 segments"), a further 1.32x for q/k/v and 1.13x for o there. In bf16 the long ones stay on
-# oneDNN's bf16 GEMMs (the native kernel was 0.83-1.5x there, and rounds h differently) on a
-# CPU with AMX; without AMX, where the library has AVX512-BF16's pair dot products, they run in
-# ``csrc/lora.c``'s ``loraplex_lora_long_bf16`` (the oneDNN path's rounding of h, 2.0-2.8x its
-# speed on a prefill chunk at one thread, 2.3-4.5x at two: one Zen 5 core, SmolLM2's shapes).
+# ``csrc/lora.c``, "Long float32 segments"), a further 1.32x for q/k/v and 1.13x for o there.
+# In bf16 the long ones stay on oneDNN's bf16 GEMMs (the native kernel was 0.83-1.5x there,
+# and rounds h differently) on a CPU with AMX; without AMX, where the library has
+# AVX512-BF16's pair dot products, they run in ``csrc/lora.c``'s ``loraplex_lora_long_bf16``
+# (the oneDNN path's rounding of h, 2.0-2.8x its speed on a prefill chunk at one thread,
+# 2.3-4.5x at two: one Zen 5 core, SmolLM2's shapes).
 _NATIVE_F32_SEGMENT = 1 << 62
 
 
