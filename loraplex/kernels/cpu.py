@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, overload
 
 import torch
 import torch.nn.functional as F
@@ -270,14 +270,48 @@ class GroupBlocks:
         return b
 
 
+class LazyLayers(Sequence[GroupBlocks]):
+    """Every layer's ``GroupBlocks`` of one group, each made by ``resolve(layer)`` at its first
+    access and kept. For a ``GroupLayers`` whose native tables were built without them
+    (``cpu_lora_native.region_tables``): the float32 native path then never makes them, the
+    torch and bf16 paths make each when they first need it."""
+
+    def __init__(self, resolve: Callable[[int], GroupBlocks], num_layers: int) -> None:
+        self._resolve = resolve
+        self._items: list[GroupBlocks | None] = [None] * num_layers
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @overload
+    def __getitem__(self, index: int) -> GroupBlocks: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[GroupBlocks, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> GroupBlocks | tuple[GroupBlocks, ...]:
+        if isinstance(index, slice):
+            return tuple(self[i] for i in range(*index.indices(len(self))))
+        layer = range(len(self._items))[index]  # IndexError outside, as a tuple's
+        item = self._items[layer]
+        if item is None:
+            item = self._items[layer] = self._resolve(layer)
+        return item
+
+
 class GroupLayers:
     """One adapter's ``GroupBlocks`` of one fused projection in every layer (``layers[l]``),
-    and, on first use, the native kernel's tables of them (``cpu_lora_native.layer_tables``)."""
+    and, on first use, the native kernel's tables of them (``cpu_lora_native.layer_tables``).
 
-    def __init__(self, layers: Sequence[GroupBlocks]) -> None:
-        self.layers = tuple(layers)
+    ``layers`` may be a ``LazyLayers`` (blocks made at first access), with ``targeted`` then
+    given (whether the adapter targets any of the group's modules) and usually ``native`` set
+    by the caller."""
+
+    def __init__(self, layers: Sequence[GroupBlocks], targeted: bool | None = None) -> None:
+        self.layers: Sequence[GroupBlocks] = (layers if isinstance(layers, LazyLayers)
+                                              else tuple(layers))
         # a layout names modules, not layers: targeted in one layer is targeted in all
-        self.targeted = any(g.modules for g in self.layers)
+        self.targeted = any(g.modules for g in self.layers) if targeted is None else targeted
         self.native: LayerTables | None = None
 
 

@@ -3,8 +3,10 @@ scheduling writes no tensor, the scheduled batch carries the copy, the forward p
 
 from __future__ import annotations
 
+import ctypes
 import time
 
+import numpy as np
 import torch
 
 from loraplex.adapter_store.format import load_adapter
@@ -122,7 +124,26 @@ def test_cpu_blocks_are_views_of_the_host_region_equal_to_the_pages(tiny_llama, 
         assert region is not None and region.dtype == engine.runner.pools.dtype
         lo = region.untyped_storage().data_ptr()
         hi = lo + region.untyped_storage().nbytes()
-        assert resident.blocks  # resolved by the forward passes
+        # the forward passes ran on native tables computed from the region's offsets
+        # (cpu_lora_native.region_tables) wherever the library loads; the views are made when
+        # a path asks for a layer's blocks: the same addresses, row for row
+        from loraplex.kernels import cpu_lora_native
+
+        assert resident.groups["qkv"].targeted and resident.groups["qkv"].native is not None
+        for name, layers in resident.groups.items():
+            tables = layers.native
+            resolved = list(layers.layers)  # every layer's views, made now where not yet
+            if tables is None or not layers.targeted:
+                continue
+            assert len(tables.addresses) == len(resolved)
+            for layer, group in enumerate(resolved):
+                own = cpu_lora_native.module_table(group).table
+                assert int(tables.num_modules[layer]) == own.shape[0] > 0, name
+                rows = np.ctypeslib.as_array(
+                    ctypes.cast(int(tables.addresses[layer]), ctypes.POINTER(ctypes.c_int64)),
+                    shape=tuple(own.shape))
+                assert rows.tolist() == own.tolist(), (name, layer)
+        assert resident.blocks
         pages = torch.tensor(resident.pages)
         layout = resident.layout
         page_elems = engine.runner.pools.shape[2]

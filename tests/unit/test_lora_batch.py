@@ -3,11 +3,17 @@ segment) against the op-signature path over the page table, and dense math on pl
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
+import gc
 import random
+import weakref
 
+import numpy as np
+import pytest
 import torch
 
-from loraplex.kernels import native, reference
+from loraplex.kernels import cpu, cpu_lora_native, native, reference
 from loraplex.kernels.layout import adapter_layout, write_region
 from loraplex.server.engine.adapter_cache import ResidentAdapter
 from loraplex.server.engine.lora import LoraBatch, LoraOps, lora_ops
@@ -188,3 +194,77 @@ def test_bf16_pool_runs_lora_in_float32_within_bf16_rounding() -> None:
     else:  # widened: float32 copies of the concatenated blocks
         assert groups and all(torch.float32 in g._a_cat and torch.float32 in g._b_wide
                               for g in groups)
+
+
+def _with_host_region(adapter: ResidentAdapter, pools: torch.Tensor) -> ResidentAdapter:
+    # the CPU engine's case: the host cache's region [num_layers, num_elems], the pages' values
+    pages = torch.tensor(adapter.pages)
+    region = torch.stack([reference.region_rows(pools[layer], pages, 0, 1,
+                                                adapter.layout.num_elems)[0]
+                          for layer in range(CONFIG.num_layers)])
+    return dataclasses.replace(adapter, host_region=region)
+
+
+def test_host_region_adapters_run_on_tables_from_its_offsets_views_made_on_demand() -> None:
+    pools = torch.randn(CONFIG.num_layers, 30, PAGE_ELEMS)
+    modules = ("q_proj", "v_proj", "o_proj")
+    pages = [4, 9, 1, 7, 22, 13, 17, 28][:adapter_layout(4, modules, CONFIG.module_shapes())
+                                           .num_pages(PAGE_ELEMS)]
+    plain, weights = write_adapter(pools, pages, 4, modules, seed=3)
+    adapter = _with_host_region(plain, pools)
+    pools[:, list(plain.pages)] = float("nan")  # the region alone is read from now on
+    batch = LoraBatch(CONFIG, pools, lora_ops("torch"), [adapter, None], [5, 2])
+    for layer in range(CONFIG.num_layers):
+        for group in ("qkv", "o", "down"):
+            x = torch.randn(7, GROUP_INPUT[group])
+            y0 = torch.randn(7, GROUP_WIDTH[group])
+            y = y0.clone()
+            batch(layer, group, x, y)
+            torch.testing.assert_close(y, dense(x, y0, layer, group, [((0, 5), adapter, weights)]),
+                                       rtol=1e-4, atol=1e-4)
+            assert torch.equal(y[5:], y0[5:])
+    qkv = adapter.groups["qkv"]
+    assert isinstance(qkv.layers, cpu.LazyLayers) and qkv.native is not None
+    assert qkv.targeted and not adapter.groups["down"].targeted
+    if native.available("lora"):  # the float32 native path never asked for the views
+        assert not [key for key in adapter.blocks if key[1] in ("qkv", "o")]
+    # made on demand: views of the region, and the same table rows as made from them
+    for layer in (1, -2):
+        group = qkv.layers[layer]
+        assert adapter.blocks[layer % CONFIG.num_layers, "qkv"] is group
+        region = adapter.host_region
+        for m in group.modules:
+            assert region.data_ptr() <= m.a_t.data_ptr() < region.data_ptr() + region.nbytes
+        own = cpu_lora_native.module_table(group).table
+        rows = np.ctypeslib.as_array(ctypes.cast(
+            int(qkv.native.addresses[layer]), ctypes.POINTER(ctypes.c_int64)),
+            shape=tuple(own.shape))
+        assert rows.tolist() == own.tolist()
+    assert qkv.layers[0:2] == (qkv.layers[0], qkv.layers[1])
+    with pytest.raises(IndexError):
+        qkv.layers[CONFIG.num_layers]
+    # the lazily resolving layers hold their adapter weakly: no cycle keeps an evicted
+    # adapter (and its host region) alive until a full collection
+    gone = weakref.ref(adapter)
+    lazy = adapter.groups["o"].layers
+    gc.disable()
+    try:
+        del adapter, batch, qkv, group
+        assert gone() is None
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError, match="adapter"):
+        lazy[0]
+
+
+def test_region_tables_refuse_blocks_outside_the_region() -> None:
+    region = torch.zeros(2, 100)
+    ok = cpu_lora_native.RegionModule(0, 40, 2, 0, 30, 20)
+    tables = cpu_lora_native.region_tables(region, [ok])
+    assert tables is not None and tables.num_modules.tolist() == [1, 1]
+    with pytest.raises(ValueError, match="outside the region"):
+        cpu_lora_native.region_tables(region, [ok._replace(b_offset=41)])  # 41 + 2 * 30 > 100
+    with pytest.raises(ValueError, match="outside the region"):
+        cpu_lora_native.region_tables(region, [ok._replace(a_offset=-1)])
+    assert cpu_lora_native.region_tables(region.half(), [ok]) is None  # no kernel dtype
+    assert cpu_lora_native.region_tables(region[:, ::2], [ok]) is None  # not unit-stride
