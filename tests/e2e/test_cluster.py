@@ -35,6 +35,14 @@ def decisions(cluster: Cluster) -> dict[str, float]:
     return out
 
 
+def _gateway_loads(cluster: Cluster) -> dict[str, int]:
+    # the router's view (WorkerSnapshot.load) of each worker, read on the gateway's loop
+    async def loads() -> dict[str, int]:
+        return {s.address: s.load for s in cluster.gateway.pool.snapshots()}
+
+    return cluster.loop.run(loads(), timeout=5)
+
+
 def test_requests_for_one_adapter_go_to_one_worker(pair: Cluster,
                                                    adapter_dirs: dict[str, Path]) -> None:
     with pair.client() as client:
@@ -43,7 +51,13 @@ def test_requests_for_one_adapter_go_to_one_worker(pair: Cluster,
         with ThreadPoolExecutor(2) as pool:
             for _ in range(4):
                 for name in digests:
-                    # Two at a time: a little load must not move an adapter.
+                    # Two at a time: a little load must not move an adapter. Each pair once the
+                    # gateway's view of the load (a Status poll behind) agrees with the
+                    # workers': a poll answered just before the last pair ended could leave a
+                    # stale request counted on the home worker, pushing one of these off it.
+                    wait_for(lambda: _gateway_loads(pair) == {w.address: w.service.num_active
+                                                              for w in pair.workers},
+                             what="the gateway's view of the workers' load")
                     list(pool.map(lambda i, n=name: client.generate(f"{n} {i}", n,
                                                                     max_tokens=4),
                                   range(2)))
@@ -73,9 +87,16 @@ def test_drain_turns_health_not_serving_and_lets_in_flight_finish(pair: Cluster)
     worker = pair.workers[1]
     with pair.client() as client, grpc.insecure_channel(worker.address) as channel:
         worker_health = ClientStub(channel)
-        # Base-model requests go to the least-loaded worker: two long streams, one each.
+        # Base-model requests go to the least-loaded worker: two long streams, one each. The
+        # gateway sees a worker's load through its Status polls (status_interval): a poll
+        # answered just before a worker took a request, or just before one ended, leaves its
+        # view off by one until the next. So each stream starts once that view agrees with
+        # the workers (a second stream sent within that window could follow the first).
         streams = []
         for _ in range(2):
+            wait_for(lambda: _gateway_loads(pair) == {w.address: w.service.num_active
+                                                      for w in pair.workers},
+                     what="the gateway's view of the workers' load")
             streams.append(client.generate_stream("long", max_tokens=800, ignore_eos=True))
             assert next(streams[-1]).token_ids
         assert worker.service.num_active == 1  # type: ignore[union-attr]
