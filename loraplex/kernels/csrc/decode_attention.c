@@ -25,7 +25,11 @@
  * head. One pass per page with an online softmax (scores, a running maximum and sum, the
  * weighted V sum rescaled when the maximum grows), the next page prefetched row by row: a
  * sequence's pages lie anywhere in the pool, so the hardware prefetcher loses the stream at
- * every page boundary. Scores live in a per-thread buffer of (block query heads) * P floats.
+ * every page boundary. Tasks go round-robin over the threads, so each knows its next one and
+ * prefetches that task's first page during its own last (1.04-1.08x, float32 and bf16, one and
+ * two threads, on a Zen 4 core at SmolLM2's shapes with 30 layers' pools out of cache; the
+ * same bits: docs/benchmarks.md, "Zen 4, sixth visit"). Scores live in a per-thread buffer of
+ * (block query heads) * P floats.
  *
  * Measured on one Sapphire Rapids core at SmolLM2's shapes (9/3 heads, D 64, 32 sequences of
  * 100-250 tokens; benchmarks/decode_attention_bench.py): 2.6-2.7x (fp32) and 2.9-3.1x (bf16)
@@ -46,6 +50,9 @@
 
 #include "attention.h"
 #include "bf16_pairs.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 /* Element i of a row of float32 (bf16 == 0) or bfloat16 (bf16 == 1) values. Called with a
  * constant bf16 after inlining, so each loop is compiled for one dtype and vectorised. */
@@ -112,9 +119,21 @@ INLINE float dot_row(const float *restrict qf, const char *row, int D, int bf16)
         return hsumw(s + t);
 #endif
     }
-    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-    for (int d = 0; d < D; d++) s += qf[d] * load(row, d, bf16);
+    /* any other D: whole vectors in order, then the tail element by element. Not an omp simd
+     * reduction: its order was the compiler's, and differed between the copies gcc made of
+     * the calling loop (with and without the next page's prefetch), so a row's result
+     * depended on which task came after it. */
+    vwf acc = {0};
+    int d = 0;
+    for (; d + VW <= D; d += VW) {
+        typedef uint16_t vwh_u __attribute__((vector_size(2 * VW), aligned(2)));
+        const vwf r = bf16 ? (vwf)(__builtin_convertvector(
+                                       *(const vwh_u *)((const uint16_t *)row + d), vwu) << 16)
+                           : loadw((const float *)row + d);
+        acc += loadw(qf + d) * r;
+    }
+    float s = hsumw(acc);
+    for (; d < D; d++) s += qf[d] * load(row, d, bf16);
     return s;
 }
 
@@ -162,7 +181,7 @@ INLINE void accumulate_rows(float *restrict acc, float corr, const char *v, int6
 INLINE void attend(const void *restrict pool, const int32_t *restrict pages, int64_t len,
                    int h0, int nh, int Hkv, int G, int D, int P, float scale, int bf16,
                    const float *restrict qf, float *restrict scores, float *restrict ml,
-                   float *restrict acc) {
+                   float *restrict acc, const char *nx_first, int64_t nx_rows) {
     const int64_t esize = bf16 ? 2 : 4;
     const int64_t stride = (int64_t)Hkv * D * esize; /* bytes of one token's K (or V) */
     const int64_t half_bytes = (int64_t)P * stride, block_bytes = (int64_t)nh * D * esize;
@@ -181,9 +200,13 @@ INLINE void attend(const void *restrict pool, const int32_t *restrict pages, int
     }
     for (int64_t p0 = 0, pi = 0; p0 < len; p0 += P, pi++) {
         const int64_t n = len - p0 < P ? len - p0 : P;
-        const int64_t next = len - p0 - P < P ? len - p0 - P : P; /* rows of the next page */
+        int64_t next = len - p0 - P < P ? len - p0 - P : P; /* rows of the next page */
         const char *k = base + (int64_t)pages[pi] * 2 * half_bytes, *v = k + half_bytes;
         const char *k_next = next > 0 ? base + (int64_t)pages[pi + 1] * 2 * half_bytes : NULL;
+        if (next <= 0 && nx_first != NULL) { /* the last page: the next task's first one */
+            k_next = nx_first;
+            next = nx_rows;
+        }
         for (int64_t o = 0; o < n; o++) {
             if (o < next) { /* spread over the rows: a burst would stall on full fill buffers */
                 prefetch_row(k_next + o * stride, block_bytes, esize);
@@ -300,7 +323,8 @@ INLINE void weigh16(float *restrict acc, const float *restrict corr, const float
 INLINE void attend_pairs(const void *restrict pool, const int32_t *restrict pages,
                          int64_t len, int h0, int nh, int Hkv, int G, const int D, int P,
                          float scale, const uint16_t *restrict qb, float *restrict w,
-                         float *restrict corr, float *restrict ml, float *restrict acc) {
+                         float *restrict corr, float *restrict ml, float *restrict acc,
+                         const char *nx_first, int64_t nx_rows) {
     const int NP = D / 32, NV = D / 16, GB = 16 / NV; /* heads whose sums fit in registers */
     const int64_t stride = (int64_t)Hkv * D * 2;
     const int64_t half_bytes = (int64_t)P * stride, block_bytes = (int64_t)nh * D * 2;
@@ -318,9 +342,13 @@ INLINE void attend_pairs(const void *restrict pool, const int32_t *restrict page
     }
     for (int64_t p0 = 0, pi = 0; p0 < len; p0 += P, pi++) {
         const int64_t n_page = len - p0 < P ? len - p0 : P;
-        const int64_t next = len - p0 - P < P ? len - p0 - P : P; /* rows of the next page */
+        int64_t next = len - p0 - P < P ? len - p0 - P : P; /* rows of the next page */
         const char *k_page = base + (int64_t)pages[pi] * 2 * half_bytes;
         const char *k_next = next > 0 ? base + (int64_t)pages[pi + 1] * 2 * half_bytes : NULL;
+        if (next <= 0 && nx_first != NULL) { /* the last page: the next task's first one */
+            k_next = nx_first;
+            next = nx_rows;
+        }
         for (int64_t o0 = 0; o0 < n_page; o0 += 16) {
             const int64_t n = n_page - o0 < 16 ? n_page - o0 : 16;
             const int64_t pf_end = o0 + n < next ? o0 + n : next; /* next page's rows */
@@ -379,13 +407,15 @@ typedef struct {
     int64_t q_stride, table_stride, out_stride;
     int Hkv, G, D, P, heads_per_task;
     float scale;
+    int64_t num_tasks;
 } Call;
 
 /* Task `task` (sequence task / blocks, KV heads from (task % blocks) * heads_per_task) for one
  * dtype and head size: called with constants, so each specialisation below compiles its loops
  * for that D. buf holds heads_per_task * G * (P16 + 2 + 2 * D) floats, P16 = P rounded up to
  * 16. */
-INLINE void task_body(const Call *c, int64_t task, float *buf, int bf16, int D) {
+INLINE void task_body(const Call *c, int64_t task, int64_t next_task, float *buf, int bf16,
+                      int D) {
     const int nh = c->heads_per_task, nq = nh * c->G, blocks = c->Hkv / nh;
     const int64_t i = task / blocks;
     const int h0 = (int)(task % blocks) * nh;
@@ -396,12 +426,27 @@ INLINE void task_body(const Call *c, int64_t task, float *buf, int bf16, int D) 
     const int64_t head0 = (int64_t)h0 * c->G * D; /* first element of the block's query heads */
     const char *qr = (const char *)c->q + (c->q_rows[i] * c->q_stride + head0) * esize;
     const int paired = bf16 && (D == 64 || D == 128); /* loadc's pair order */
+    /* the next task's first page (this thread's next: tasks go round-robin), prefetched
+     * during this one's last page */
+    const char *nx_first = NULL;
+    int64_t nx_rows = 0;
+    if (next_task < c->num_tasks) {
+        const int64_t ni = next_task / blocks;
+        const int nh0 = (int)(next_task % blocks) * nh;
+        const int64_t nlen = c->seq_lens[ni];
+        if (nlen > 0) {
+            const int32_t page = c->page_table[c->table_rows[ni] * c->table_stride];
+            nx_first = (const char *)c->pool
+                       + ((int64_t)page * 2 * c->P * c->Hkv * D + (int64_t)nh0 * D) * esize;
+            nx_rows = nlen < c->P ? nlen : c->P;
+        }
+    }
 #ifdef HAVE_DPBF16
     if (paired && len > 0) {
         /* the weights in scores (G * 16 floats of nq * P16), the rescalings in qf */
         attend_pairs(c->pool, c->page_table + c->table_rows[i] * c->table_stride, len, h0, nh,
                      c->Hkv, c->G, D, c->P, c->scale, (const uint16_t *)qr, scores, qf, ml,
-                     acc);
+                     acc, nx_first, nx_rows);
     } else
 #endif
     {
@@ -411,7 +456,7 @@ INLINE void task_body(const Call *c, int64_t task, float *buf, int bf16, int D) 
         memset(acc, 0, sizeof(float) * (size_t)nq * (size_t)D);
     } else {
         attend(c->pool, c->page_table + c->table_rows[i] * c->table_stride, len, h0, nh, c->Hkv,
-               c->G, D, c->P, c->scale, bf16, qf, scores, ml, acc);
+               c->G, D, c->P, c->scale, bf16, qf, scores, ml, acc, nx_first, nx_rows);
     }
     }
     char *orow = (char *)c->out + (c->q_rows[i] * c->out_stride + head0) * esize;
@@ -423,11 +468,11 @@ INLINE void task_body(const Call *c, int64_t task, float *buf, int bf16, int D) 
     }
 }
 
-typedef void (*TaskFn)(const Call *, int64_t, float *);
+typedef void (*TaskFn)(const Call *, int64_t, int64_t, float *);
 
 #define SPECIALISE(NAME, BF16, DIM)                                                        \
-    static void NAME(const Call *c, int64_t task, float *buf) {                            \
-        task_body(c, task, buf, BF16, DIM);                                                \
+    static void NAME(const Call *c, int64_t task, int64_t next, float *buf) {              \
+        task_body(c, task, next, buf, BF16, DIM);                                          \
     }
 SPECIALISE(task_f32_d64, 0, 64)
 SPECIALISE(task_f32_d128, 0, 128)
@@ -453,23 +498,30 @@ int loraplex_decode_attention(const void *q, int64_t q_stride, const void *pool,
     const TaskFn fn = fns[dtype][D == 64 ? 0 : D == 128 ? 1 : 2];
     /* whole tokens per task where sequences alone give each thread a few tasks */
     const int heads_per_task = num_seqs >= 4 * (int64_t)num_threads ? Hkv : 1;
-    const Call c = {q, pool, page_table, q_rows, table_rows, seq_lens, out, q_stride,
-                    table_stride, out_stride, Hkv, G, D, P, heads_per_task, scale};
     const int64_t num_tasks = num_seqs * (Hkv / heads_per_task);
+    const Call c = {q, pool, page_table, q_rows, table_rows, seq_lens, out, q_stride,
+                    table_stride, out_stride, Hkv, G, D, P, heads_per_task, scale, num_tasks};
     const size_t buf_floats = (size_t)heads_per_task * (size_t)G
                               * (size_t)((P + 15) / 16 * 16 + 2 + 2 * D);
     int failed = 0;
 
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_tasks > 1)
     {
-        float *buf = malloc(sizeof(float) * buf_floats);
+        /* 64-byte aligned, as every thread's: the generic head sizes' simd loops peel by
+         * alignment, so a result must not depend on which thread's buffer a task gets (tasks
+         * are dealt round-robin) */
+        float *buf = aligned_alloc(64, (sizeof(float) * buf_floats + 63) / 64 * 64);
         if (buf == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(dynamic, 1)
+        int nt = 1;
+#ifdef _OPENMP
+        nt = omp_get_num_threads();
+#endif
+#pragma omp for schedule(static, 1)
         for (int64_t task = 0; task < num_tasks; task++) {
-            if (buf != NULL) fn(&c, task, buf);
+            if (buf != NULL) fn(&c, task, task + nt, buf);
         }
         free(buf);
     }
