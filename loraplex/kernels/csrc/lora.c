@@ -133,17 +133,22 @@ static void cursor_init(cursor_t *c, int64_t base, int64_t stride, int64_t rows,
 /* prefetch up to 2 n more lines of the cursor's block (into L2), for n lines the caller has
  * just read: twice its pace, so that a next block larger than the current one is mostly in
  * flight by the current one's end (1.0-1.1x against the same pace, one Zen 4 core) */
+/* past the cursor's current line: the next one of its row, or the next row's first */
+static inline void cursor_next(cursor_t *c) {
+    c->at += 64;
+    if (--c->left == 0 && c->rows > 0) {
+        c->rows--;
+        c->p += c->stride;
+        c->at = 0;
+        c->left = c->row;
+    }
+}
+
 static inline void cursor_step(cursor_t *c, int n) {
     n *= 2;
     for (; n > 0 && c->left > 0; n--) {
         __builtin_prefetch(c->p + c->at, 0, 2);
-        c->at += 64;
-        if (--c->left == 0 && c->rows > 0) {
-            c->rows--;
-            c->p += c->stride;
-            c->at = 0;
-            c->left = c->row;
-        }
+        cursor_next(c);
     }
 }
 
@@ -420,13 +425,7 @@ static inline void pfq_step(pfq_t *q) {
         else
             __builtin_prefetch(c->p + c->at, 0, 2);
         k--;
-        c->at += 64;
-        if (--c->left == 0 && c->rows > 0) {
-            c->rows--;
-            c->p += c->stride;
-            c->at = 0;
-            c->left = c->row;
-        }
+        cursor_next(c);
     }
 }
 
