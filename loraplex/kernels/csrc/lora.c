@@ -444,34 +444,7 @@ static inline int64_t seg_rp(const segment_t *sg) {
 }
 
 #if VW == 16
-#include <immintrin.h>
-
-/* r[j][i] <- r[i][j] */
-static inline void transpose16(__m512 r[16]) {
-    __m512 t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    /* u[4g + j]: lanes of 4 rows (group g) at columns j, 4 + j, 8 + j, 12 + j */
-    __m512 u[16];
-    for (int g = 0; g < 4; g++) {
-        u[4 * g] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
-        u[4 * g + 1] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0xee);
-        u[4 * g + 2] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
-        u[4 * g + 3] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xee);
-    }
-    for (int j = 0; j < 4; j++) {
-        const __m512 v0 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x88);
-        const __m512 v1 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xdd);
-        const __m512 w0 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x88);
-        const __m512 w1 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xdd);
-        r[j] = _mm512_shuffle_f32x4(v0, w0, 0x88);
-        r[8 + j] = _mm512_shuffle_f32x4(v0, w0, 0xdd);
-        r[4 + j] = _mm512_shuffle_f32x4(v1, w1, 0x88);
-        r[12 + j] = _mm512_shuffle_f32x4(v1, w1, 0xdd);
-    }
-}
+#include "transpose16.h"
 #endif
 
 /* At[d * rp + r0_m + k] = A_m[k, d] for every module m (r0_m: the ranks before it), zeros in
@@ -493,7 +466,7 @@ static void pack_at(const segment_t *sg, int64_t d_in, float *restrict At, int64
                 for (int k = 0; k < 16; k++)
                     r[k] = k < nk ? _mm512_maskz_loadu_ps(dm, A + (k0 + k) * as + d0)
                                   : _mm512_setzero_ps();
-                transpose16(r);
+                transpose16_ps(r);
                 for (int c = 0; c < nd; c++)
                     _mm512_mask_storeu_ps(At + (d0 + c) * rp + r0 + k0, km, r[c]);
             }

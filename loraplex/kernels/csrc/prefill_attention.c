@@ -78,34 +78,7 @@ typedef struct {
 } Call;
 
 #if VW == 16
-#include <immintrin.h>
-
-/* r[i] lane j -> r[j] lane i, 32-bit elements (four rounds of in-register shuffles) */
-INLINE void transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 4) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-        t[i + 2] = _mm512_unpacklo_epi32(r[i + 2], r[i + 3]);
-        t[i + 3] = _mm512_unpackhi_epi32(r[i + 2], r[i + 3]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int i = 0; i < 16; i += 8)
-        for (int j = 0; j < 4; j++) {
-            t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
-            t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
-        }
-    for (int j = 0; j < 8; j++) {
-        r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
-        r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
-    }
-}
-
+#include "transpose16.h"
 #endif
 
 /* Keys 0 .. nk - 1 of KV head h into kt ([D, ldk], transposed, zero from nk to ldk), and each
