@@ -91,27 +91,29 @@ INLINE void prefetch_bytes(const char *p, int64_t n_bytes) {
     for (int64_t b = 0; b < n_bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
 }
 
-/* Whether float32 rows of 4 KiB or more (an MHA model's 16 KV heads x 64: one row a page of
- * memory) are prefetched one line in four, the hardware's stream prefetcher fetching the rest:
- * on a Zen 4 core every line by hand kept K and V at 17 GB/s, one in four reached 20-21 (32
- * sequences of 16-600 tokens at 16/16 and 32/32 heads x 64: 1.16-1.28x); on a Zen 5 core
- * (AMD family 0x1A) it is the other way round: every line 1.2x faster than one in four at
- * 16/16 heads (64 sequences of 20-288 tokens, 8 layers' pools on huge pages: 21.4 against 17.5
- * GB/s), 1.3x at 32/32, and no prefetch at all no better than every line (docs/benchmarks.md,
- * "Zen 5, third visit"). So every CPU but AMD's family 0x1A and later keeps the sparse
- * prefetch it was measured on. Shorter rows (GQA, bf16) prefetch every line everywhere (the
- * sparse prefetch was 0.65-0.88x there on Zen 4, and no prefetch 0.43-0.68x on Zen 5). */
-static int sparse_rows(void) {
+/* How float32 rows of 4 KiB or more (an MHA model's 16 KV heads x 64: one row a page of
+ * memory) are prefetched. On a Zen 4 core, one line in four into L2, the hardware's stream
+ * prefetcher fetching the rest: every line by hand kept K and V at 17 GB/s, one in four reached
+ * 20-21 (32 sequences of 16-600 tokens at 16/16 and 32/32 heads x 64: 1.16-1.28x). On a Zen 5
+ * core (AMD family 0x1A) it is the other way round: every line into L2 1.2x faster than one in
+ * four at 16/16 heads (64 sequences of 20-288 tokens, 8 layers' pools on huge pages: 21.4
+ * against 17.5 GB/s), 1.3x at 32/32, no prefetch at all no better than every line, and every
+ * line into L1 1.04-1.05x faster again (four runs; docs/benchmarks.md, "Zen 5, third visit").
+ * So AMD's family 0x1A and later take every line into L1 (rows_into_l1() == 1), every other
+ * CPU the sparse prefetch it was measured on. Shorter rows (GQA, bf16) prefetch every line
+ * into L2 everywhere (the sparse prefetch was 0.65-0.88x there on Zen 4; no prefetch 0.43-0.68x
+ * on Zen 5). */
+static int rows_into_l1(void) {
     static int known = -1; /* -1 until asked: then 0 or 1, the same for every caller */
     int v = __atomic_load_n(&known, __ATOMIC_RELAXED);
     if (v < 0) {
-        v = 1;
+        v = 0;
 #if defined(__x86_64__) || defined(__i386__)
         unsigned a, b, c, d;
         if (__get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541u /* "Auth" of AuthenticAMD */
             && __get_cpuid(1, &a, &b, &c, &d)) {
             const unsigned base = (a >> 8) & 0xF, ext = (a >> 20) & 0xFF;
-            v = (base == 0xF ? base + ext : base) < 0x1A;
+            v = (base == 0xF ? base + ext : base) >= 0x1A;
         }
 #endif
         __atomic_store_n(&known, v, __ATOMIC_RELAXED);
@@ -119,11 +121,14 @@ static int sparse_rows(void) {
     return v;
 }
 
-/* The next rows' prefetch: float32 rows of 4 KiB or more one line in four where sparse (see
- * sparse_rows), every line otherwise. */
-INLINE void prefetch_row(const char *p, int64_t n_bytes, int64_t esize, int sparse) {
-    if (sparse && esize == 4 && n_bytes >= 4096) {
-        for (int64_t b = 0; b < n_bytes; b += 256) __builtin_prefetch(p + b, 0, 2);
+/* The next rows' prefetch (see rows_into_l1 for float32 rows of 4 KiB or more). */
+INLINE void prefetch_row(const char *p, int64_t n_bytes, int64_t esize, int into_l1) {
+    if (esize == 4 && n_bytes >= 4096) {
+        if (into_l1) {
+            for (int64_t b = 0; b < n_bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+        } else {
+            for (int64_t b = 0; b < n_bytes; b += 256) __builtin_prefetch(p + b, 0, 2);
+        }
     } else {
         prefetch_bytes(p, n_bytes);
     }
@@ -209,7 +214,7 @@ INLINE void accumulate_rows(float *restrict acc, float corr, const char *v, int6
 INLINE void attend(const void *restrict pool, const int32_t *restrict pages, int64_t len,
                    int h0, int nh, int Hkv, int G, int D, int P, float scale, int bf16,
                    const float *restrict qf, float *restrict scores, float *restrict ml,
-                   float *restrict acc, const char *nx_first, int64_t nx_rows, int sparse) {
+                   float *restrict acc, const char *nx_first, int64_t nx_rows, int into_l1) {
     const int64_t esize = bf16 ? 2 : 4;
     const int64_t stride = (int64_t)Hkv * D * esize; /* bytes of one token's K (or V) */
     const int64_t half_bytes = (int64_t)P * stride, block_bytes = (int64_t)nh * D * esize;
@@ -223,9 +228,9 @@ INLINE void attend(const void *restrict pool, const int32_t *restrict pages, int
     const int64_t first = len < P ? len : P;
     for (int64_t o = 0; o < first; o++) {
         prefetch_row(base + (int64_t)pages[0] * 2 * half_bytes + o * stride, block_bytes, esize,
-                     sparse);
+                     into_l1);
         prefetch_row(base + (int64_t)pages[0] * 2 * half_bytes + half_bytes + o * stride,
-                     block_bytes, esize, sparse);
+                     block_bytes, esize, into_l1);
     }
     for (int64_t p0 = 0, pi = 0; p0 < len; p0 += P, pi++) {
         const int64_t n = len - p0 < P ? len - p0 : P;
@@ -238,8 +243,8 @@ INLINE void attend(const void *restrict pool, const int32_t *restrict pages, int
         }
         for (int64_t o = 0; o < n; o++) {
             if (o < next) { /* spread over the rows: a burst would stall on full fill buffers */
-                prefetch_row(k_next + o * stride, block_bytes, esize, sparse);
-                prefetch_row(k_next + half_bytes + o * stride, block_bytes, esize, sparse);
+                prefetch_row(k_next + o * stride, block_bytes, esize, into_l1);
+                prefetch_row(k_next + half_bytes + o * stride, block_bytes, esize, into_l1);
             }
             for (int h = 0, j = 0; h < nh; h++)
                 for (int g = 0; g < G; g++, j++)
@@ -437,7 +442,7 @@ typedef struct {
     int Hkv, G, D, P, heads_per_task;
     float scale;
     int64_t num_tasks;
-    int sparse; /* sparse_rows() */
+    int into_l1; /* rows_into_l1() */
 } Call;
 
 /* Task `task` (sequence task / blocks, KV heads from (task % blocks) * heads_per_task) for one
@@ -486,7 +491,7 @@ INLINE void task_body(const Call *c, int64_t task, int64_t next_task, float *buf
         memset(acc, 0, sizeof(float) * (size_t)nq * (size_t)D);
     } else {
         attend(c->pool, c->page_table + c->table_rows[i] * c->table_stride, len, h0, nh, c->Hkv,
-               c->G, D, c->P, c->scale, bf16, qf, scores, ml, acc, nx_first, nx_rows, c->sparse);
+               c->G, D, c->P, c->scale, bf16, qf, scores, ml, acc, nx_first, nx_rows, c->into_l1);
     }
     }
     char *orow = (char *)c->out + (c->q_rows[i] * c->out_stride + head0) * esize;
@@ -531,7 +536,7 @@ int loraplex_decode_attention(const void *q, int64_t q_stride, const void *pool,
     const int64_t num_tasks = num_seqs * (Hkv / heads_per_task);
     const Call c = {q, pool, page_table, q_rows, table_rows, seq_lens, out, q_stride,
                     table_stride, out_stride, Hkv, G, D, P, heads_per_task, scale, num_tasks,
-                    sparse_rows()};
+                    rows_into_l1()};
     const size_t buf_floats = (size_t)heads_per_task * (size_t)G
                               * (size_t)((P + 15) / 16 * 16 + 2 + 2 * D);
     int failed = 0;
