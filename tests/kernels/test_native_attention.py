@@ -102,6 +102,32 @@ def test_matches_reference(case: tuple[int, int, int], dtype: torch.dtype, prefi
     assert torch.equal(cpu.paged_attention(q, pool, meta, page_size, num_kv_heads, scale), out)
 
 
+@pytest.mark.parametrize("kv_heads", [16, 32])
+def test_mha_rows_of_4_kib_or_more(kv_heads: int, no_torch_decode) -> None:
+    # An MHA model's float32 rows (16 or 32 KV heads x 64: 4 or 8 KiB a token): the prefetch
+    # path chosen by the CPU (rows_into_l1: one line in four into L2, or every line into L1),
+    # whole-token tasks (>= 4 sequences a thread), several pages each and a next task to
+    # prefetch; the same bits at one and two threads
+    _native_or_skip()
+    rng, gen = random.Random(kv_heads), torch.Generator().manual_seed(kv_heads)
+    lens = [1, 16, 17, 70] + [rng.randint(1, 90) for _ in range(6)]
+    q, pool, meta = paged_step(rng, gen, torch.float32, [1] * len(lens), lens, 16, kv_heads, 1,
+                               64, spare_pages=3)
+    outs = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(cpu.paged_attention(q, pool, dataclasses.replace(meta, derived={}), 16,
+                                            kv_heads, 0.125))
+    finally:
+        torch.set_num_threads(before)
+    expected = reference.paged_attention(q, pool, meta, 16, kv_heads, 0.125)
+    rtol, atol, _ = TOLERANCE[torch.float32]
+    torch.testing.assert_close(outs[0], expected, rtol=rtol, atol=atol)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_writes_only_decode_rows_and_reads_no_stale_slot(no_torch_decode) -> None:
     # A single 5-token sequence on a 16-slot page whose other 11 slots hold inf and NaN:
     # reading any of them would make the result non-finite.
