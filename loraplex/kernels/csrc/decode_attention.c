@@ -134,6 +134,34 @@ INLINE void prefetch_row(const char *p, int64_t n_bytes, int64_t esize, int into
     }
 }
 
+/* The largest of v's lanes, none of them NaN (-inf allowed), by halves: a tree of compares
+ * instead of a chain of VW scalar ones per query head and page (the same value: a maximum is
+ * exact in any order). */
+INLINE float hmaxw(vwf v) {
+#if defined(__clang__) || __GNUC__ >= 12 /* __builtin_shufflevector */
+    typedef int32_t v4i __attribute__((vector_size(16)));
+#if VW == 16
+    typedef int32_t v8i __attribute__((vector_size(32)));
+    const v8f lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+    const v8f hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v8i gt = hi > lo;
+    const v8f a = (v8f)(((v8i)hi & gt) | ((v8i)lo & ~gt));
+#else
+    const v8f a = v;
+#endif
+    const v4f alo = __builtin_shufflevector(a, a, 0, 1, 2, 3);
+    const v4f ahi = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    const v4i bgt = ahi > alo;
+    const v4f b = (v4f)(((v4i)ahi & bgt) | ((v4i)alo & ~bgt));
+    const float x = b[1] > b[0] ? b[1] : b[0], y = b[3] > b[2] ? b[3] : b[2];
+    return y > x ? y : x;
+#else
+    float r = v[0];
+    for (int e = 1; e < VW; e++) r = v[e] > r ? v[e] : r;
+    return r;
+#endif
+}
+
 /* dot(qf, row) for one head: D floats against D elements of a K row. */
 INLINE float dot_row(const float *restrict qf, const char *row, int D, int bf16) {
     /* the fast paths: D a constant here; bf16 only at 64 and 128, the sizes task_body holds
@@ -253,30 +281,30 @@ INLINE void attend(const void *restrict pool, const int32_t *restrict pages, int
                                                   bf16) * scale;
         }
         const int64_t nw = (n + VW - 1) / VW; /* chunks of VW scores; lanes past n are -inf */
-        for (int j = 0; j < nq; j++) {
-            float *sj = scores + j * P16;
-            for (int64_t o = n; o < VW * nw; o++) sj[o] = -INFINITY;
-            vwf vm = (vwf){0} - INFINITY;
-            for (int64_t c = 0; c < nw; c++) {
-                const vwf x = loadw(sj + VW * c);
-                vm = (vwf)(((vwi)x & (x > vm)) | ((vwi)vm & ~(x > vm)));
+        for (int j = 0, h = 0; h < nh; h++)
+            for (int g = 0; g < G; g++, j++) {
+                float *sj = scores + j * P16;
+                for (int64_t o = n; o < VW * nw; o++) sj[o] = -INFINITY;
+                vwf vm = (vwf){0} - INFINITY;
+                for (int64_t c = 0; c < nw; c++) {
+                    const vwf x = loadw(sj + VW * c);
+                    vm = (vwf)(((vwi)x & (x > vm)) | ((vwi)vm & ~(x > vm)));
+                }
+                const float vmax = hmaxw(vm), mt = vmax > m[j] ? vmax : m[j];
+                /* the running sums' rescaling: 0 at the first page (m = -inf) */
+                const float corr = expw((vwf){0} + (m[j] - mt))[0];
+                vwf vs = {0};
+                for (int64_t c = 0; c < nw; c++) {
+                    const vwf x = expw(loadw(sj + VW * c) - mt);
+                    storew(sj + VW * c, x);
+                    vs += x;
+                }
+                const float sum = hsumw(vs);
+                l[j] = l[j] * corr + sum;
+                m[j] = mt;
+                accumulate_rows(acc + (int64_t)j * D, corr, v + (int64_t)h * D * esize, n,
+                                stride, D, bf16, sj);
             }
-            float mt = m[j];
-            for (int e = 0; e < VW; e++) mt = vm[e] > mt ? vm[e] : mt;
-            /* the running sums' rescaling: 0 at the first page (m = -inf) */
-            const float corr = expw((vwf){0} + (m[j] - mt))[0];
-            vwf vs = {0};
-            for (int64_t c = 0; c < nw; c++) {
-                const vwf x = expw(loadw(sj + VW * c) - mt);
-                storew(sj + VW * c, x);
-                vs += x;
-            }
-            const float sum = hsumw(vs);
-            l[j] = l[j] * corr + sum;
-            m[j] = mt;
-            accumulate_rows(acc + (int64_t)j * D, corr, v + (int64_t)(j / G) * D * esize, n,
-                            stride, D, bf16, sj);
-        }
     }
     for (int j = 0; j < nq; j++) {
         float *aj = acc + (int64_t)j * D;
