@@ -185,8 +185,10 @@ def test_sweeps_write_json_and_plots(model_dir, adapters, tmp_path):
 
 
 def test_baseline_records_what_it_could_not_serve(model_dir, adapters):
-    # everything arrives at once; batches of 4 may start only in the first 50 ms
-    tr = small_trace(rate=float("inf"))
+    # everything arrives at once; batches of 4 may start only in the first 50 ms. Each batch
+    # generates 40-48 tokens (a forward at least each), so the six batches cannot all start
+    # in time even on a fast CPU: with 2-6 tokens a Zen 5 core started all six (no CANCELLED)
+    tr = small_trace(rate=float("inf"), output_len="uniform:40:48")
     bound = RunConfig(progress=False, max_duration_s=0.05, drain_timeout_s=0.0)
     log = BaselineTarget(str(model_dir), adapters, max_batch_size=4).run(tr, bound)
     assert [r.request_id for r in log.records] == [r.request_id for r in tr.requests]
