@@ -33,10 +33,12 @@
  *
  * Measured on one Sapphire Rapids core at SmolLM2's shapes (9/3 heads, D 64, 32 sequences of
  * 100-250 tokens; benchmarks/decode_attention_bench.py): 2.6-2.7x (fp32) and 2.9-3.1x (bf16)
- * less CPU time than the torch ops (cpu._decode). Tried and left (no gain measured): reducing 16
- * dot products at once with a transposing shuffle tree, prefetching two pages ahead, and
- * prefetching the next task's first page. On a Zen 4 core (AMD EPYC, AVX-512), prefetching
- * into L2 instead of L1 made it 1.3-1.6x faster again (prefetch_bytes). On an AVX2 core (Zen 3)
+ * less CPU time than the torch ops (cpu._decode). Tried there and left (no gain measured):
+ * reducing 16 dot products at once with a transposing shuffle tree, prefetching two pages
+ * ahead, and prefetching the next task's first page (kept since: 1.04-1.08x on Zen 4, above).
+ * On a Zen 4 core (AMD EPYC, AVX-512), prefetching into L2 instead of L1 made it 1.3-1.6x
+ * faster again (prefetch_bytes); on Zen 5 an MHA model's float32 rows go into L1 (see
+ * rows_into_l1). On an AVX2 core (Zen 3)
  * every vector is the machine's width (loadc): 2.0x faster at 16/16 heads, 3.8x at 9/3 float32,
  * 2.9x bf16, than with 16-lane vectors there. bf16 at D = 64 and 128 on CPUs with AVX512-BF16
  * (attend_pairs): the scores on pair dot products, 16 keys reduced at once; on a Zen 4 core,
