@@ -8,11 +8,14 @@ float32 GEMM at every row count measured (1.3-1.5x on 32 decode rows, 1.2-1.6x o
 chunks, at SmolLM2's shapes).
 
 FMA: plain float32 FMAs, 6 x 16 register tiles on AVX2 (12 x 32 with AVX-512), weights in
-16-column panels (32), depth chunks and row blocks sized for L2: on a Zen 3 core 1.1-1.3x
-oneDNN on 32 decode rows and 1.0-1.1x on prefill chunks at the benchmark Llama's and SmolLM2's
-shapes. ``LORAPLEX_FMA_GEMM=auto`` (the default) turns it on only where that was measured (x86
-with AVX2 and FMA, no AVX-512); ``1`` on any CPU without AMX (correct everywhere: the tests run
-it on every machine); ``0`` never.
+16-column panels (32), depth chunks and row blocks sized for L2, x rearranged per row block
+into a scratch, the next panel prefetched while a panel's row groups run: on a Zen 3 core
+1.1-1.3x oneDNN on 32 decode rows and 1.0-1.1x on prefill chunks at the benchmark Llama's and
+SmolLM2's shapes (before the scratch and the prefetch); on a Zen 5 core 1.25-1.38x on 32 rows,
+0.92-1.0x on 256-1536. ``LORAPLEX_FMA_GEMM=auto`` (the default) turns it on only where that
+was measured (x86 with AVX2 and FMA, no AVX-512; AVX-512 on AMD's family 0x1A, Zen 5, and
+later); ``1`` on any CPU without AMX (correct everywhere: the tests run it on every machine);
+``0`` never.
 
 ``pack(weight)`` rearranges a ``[d_out, d_in]`` weight once into the chosen kernel's panel
 order (still float32: 4 bytes an element, the weight's own size; the model drops the dense
@@ -78,7 +81,10 @@ def _fma_library() -> ctypes.CDLL | None:
         lib.loraplex_fma_packed_elems.restype = _i64
         lib.loraplex_fma_pack.argtypes = [_p, _i64, _i64, _i64, _p, _int]
         lib.loraplex_fma_pack.restype = None
-        lib.loraplex_fma_linear.argtypes = [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _int]
+        lib.loraplex_fma_scratch_elems.argtypes = [_i64, _i64]
+        lib.loraplex_fma_scratch_elems.restype = _i64
+        lib.loraplex_fma_linear.argtypes = [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _p,
+                                            _int]
         lib.loraplex_fma_linear.restype = None
     return lib
 
@@ -285,8 +291,11 @@ def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -
     threads = torch.get_num_threads()
     bias_ptr = bias.data_ptr() if bias is not None else None
     if w.kind == "fma":
+        # x rearranged a row block at a time, as the micro-kernel reads it (float32)
+        scratch = _scratch_for(2 * lib.loraplex_fma_scratch_elems(rows, w.d_in))
         lib.loraplex_fma_linear(x.data_ptr(), x.stride(0), w.data.data_ptr(), bias_ptr,
-                                y.data_ptr(), y.stride(0), rows, w.d_out, w.d_in, threads)
+                                y.data_ptr(), y.stride(0), rows, w.d_out, w.d_in,
+                                scratch.data_ptr(), threads)
         return y
     scratch = _scratch_for(lib.loraplex_amx_scratch_elems(rows, w.d_in, threads))
     status = lib.loraplex_amx_linear(x.data_ptr(), x.stride(0), w.data.data_ptr(), bias_ptr,

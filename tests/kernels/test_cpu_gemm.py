@@ -10,6 +10,9 @@ the engine's tokens are the same with it on and off."""
 
 from __future__ import annotations
 
+import os
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -65,13 +68,14 @@ def _check(kind: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
 SHAPES = [  # (rows, depth, columns): tails of every tile and panel dimension (AMX: 32 x 32
     # tiles, 2048-deep chunks; under 15 rows the FMA path, whole panels to 6 rows (1, 2, 6),
     # half panels from 7 (7, 11, 12, 13, 14). FMA: 6 x 16 tiles on AVX2, 12 x 32 with
-    # AVX-512, depth chunks of 1024 or 512, row blocks of 240 or 480, split evenly)
+    # AVX-512, depth chunks of 1024 or 512, row blocks of 120, split evenly, x rearranged a
+    # block at a time: 121 is two blocks of 61, 241 three)
     (1, 1, 1), (1, 64, 48), (2, 576, 960), (6, 100, 70), (7, 33, 130), (11, 300, 64),
     (12, 2049, 33), (13, 1536, 64), (14, 96, 3000), (15, 31, 17), (16, 32, 32), (17, 33, 33),
     (31, 16, 96),
     (32, 576, 960), (33, 100, 70), (64, 1, 130), (100, 576, 576), (257, 96, 64),
     (40, 1100, 50), (70, 2049, 33), (300, 1536, 96), (64, 4200, 40),
-    (5, 1025, 15), (25, 513, 47), (241, 40, 20), (481, 24, 40), (3, 7, 49),
+    (5, 1025, 15), (25, 513, 47), (241, 40, 20), (481, 24, 40), (3, 7, 49), (121, 1100, 40),
 ]
 
 
@@ -187,6 +191,24 @@ def test_the_switches_choose_the_backend(monkeypatch):
             cpu_gemm.pack(torch.randn(4, 4), "amx")
 
 
+def test_fma_auto_is_on_where_it_was_measured_faster():
+    # LORAPLEX_FMA_GEMM=auto: x86 with AVX2 and FMA but no AVX-512 (Zen 3), and AVX-512 on
+    # AMD's family 0x1A and later (Zen 5); oneDNN on every other CPU (Zen 4, Intel without AMX)
+    import platform
+    if platform.machine() not in ("x86_64", "AMD64") or not os.path.exists("/proc/cpuinfo"):
+        pytest.skip("the rule is about x86 CPUs (read from Linux's /proc/cpuinfo)")
+    with open("/proc/cpuinfo") as f:
+        info = f.read()
+    flags = set(re.search(r"^flags\s*:(.*)$", info, re.M).group(1).split())
+    vendor = re.search(r"^vendor_id\s*:\s*(\S+)", info, re.M).group(1)
+    family = int(re.search(r"^cpu family\s*:\s*(\d+)", info, re.M).group(1))
+    if "avx512f" in flags:
+        expected = vendor == "AuthenticAMD" and family >= 0x1A
+    else:
+        expected = "avx2" in flags and "fma" in flags
+    assert bool(cpu_gemm._fma_library().loraplex_fma_tuned()) == expected
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_model_runs_every_projection_on_it_and_the_switch_turns_it_off(kind, tmp_path,
                                                                         monkeypatch):
@@ -290,7 +312,6 @@ def test_fma_kernel_builds_with_its_tile_in_registers(tmp_path, march: str, fmas
     broadcast register and moves it back: one move, free on cores that rename moves). Once GCC
     kept the two-level sums' totals in registers across that loop: too few were left for the
     accumulators, three moved every depth, 0.8x on a Zen 3 core."""
-    import re
     cc = native._compiler()
     if cc is None:
         pytest.skip("needs a C compiler")

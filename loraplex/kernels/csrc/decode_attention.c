@@ -52,11 +52,9 @@
 
 #include "attention.h"
 #include "bf16_pairs.h"
+#include "cpu_id.h"
 #ifdef _OPENMP
 #include <omp.h>
-#endif
-#if defined(__x86_64__) || defined(__i386__)
-#include <cpuid.h>
 #endif
 
 /* Element i of a row of float32 (bf16 == 0) or bfloat16 (bf16 == 1) values. Called with a
@@ -105,23 +103,7 @@ INLINE void prefetch_bytes(const char *p, int64_t n_bytes) {
  * CPU the sparse prefetch it was measured on. Shorter rows (GQA, bf16) prefetch every line
  * into L2 everywhere (the sparse prefetch was 0.65-0.88x there on Zen 4; no prefetch 0.43-0.68x
  * on Zen 5). */
-static int rows_into_l1(void) {
-    static int known = -1; /* -1 until asked: then 0 or 1, the same for every caller */
-    int v = __atomic_load_n(&known, __ATOMIC_RELAXED);
-    if (v < 0) {
-        v = 0;
-#if defined(__x86_64__) || defined(__i386__)
-        unsigned a, b, c, d;
-        if (__get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541u /* "Auth" of AuthenticAMD */
-            && __get_cpuid(1, &a, &b, &c, &d)) {
-            const unsigned base = (a >> 8) & 0xF, ext = (a >> 20) & 0xFF;
-            v = (base == 0xF ? base + ext : base) >= 0x1A;
-        }
-#endif
-        __atomic_store_n(&known, v, __ATOMIC_RELAXED);
-    }
-    return v;
-}
+static int rows_into_l1(void) { return amd_family() >= 0x1A; }
 
 /* The next rows' prefetch (see rows_into_l1 for float32 rows of 4 KiB or more). */
 INLINE void prefetch_row(const char *p, int64_t n_bytes, int64_t esize, int into_l1) {

@@ -14,7 +14,7 @@
  * (tests/kernels/test_amx_gemm.py). Six tile products per 32-deep step still beat the 16-lane
  * float32 FMAs: against oneDNN's prepacked float32 GEMM, weights out of cache, at SmolLM2's
  * shapes, 1.3-1.5x on 32 decode rows (the weights streamed at ~8 GB/s with the prefetch below,
- * against oneDNN's ~6) and 1.2-1.6x on prefill chunks (benchmarks/amx_gemm_bench.py). Under 15
+ * against oneDNN's ~6) and 1.2-1.6x on prefill chunks (benchmarks/cpu_gemm_bench.py). Under 15
  * rows the tiles would mostly multiply padding: those calls run as float32 FMAs on the same
  * packed weights (small_rows), so one copy of the weights serves every row count.
  *

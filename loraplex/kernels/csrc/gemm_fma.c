@@ -5,8 +5,8 @@
  * fit in cache; oneDNN's prepacked float32 GEMM (torch's mkldnn linear) streams them well but
  * leaves FMA throughput on the table at these row counts. On a Zen 3 core (AVX2, 8 lanes) this
  * kernel measured 1.1-1.2x oneDNN on 32 rows and 1.1-1.6x on one row at a Llama's shapes,
- * with the same error against a float64 reference (benchmarks/amx_gemm_bench.py,
- * tests/kernels/test_fma_gemm.py).
+ * with the same error against a float64 reference (benchmarks/cpu_gemm_bench.py,
+ * tests/kernels/test_cpu_gemm.py).
  *
  * Layout, rearranged once (loraplex_fma_pack), still float32 (4 bytes an element, as the dense
  * weight): NR = 2 VW columns a panel (VW: the machine's vector, vector_width.h); the depth in
@@ -17,16 +17,32 @@
  *
  * The micro-kernel holds MR rows x NR columns in 2 MR accumulator vectors (6 x 16 on AVX2:
  * 12 of its 16 registers, two for the weights, one for x's broadcast; 12 x 32 with AVX-512's
- * 32 registers), reading x in place (one broadcast a row and depth) and the panel's two weight
- * vectors a depth. Loops: blocks of up to MC rows, split evenly (a decode step's chunk of x,
- * 32 x KC floats, stays in L2; a full block's does not, measured no slower than 120 rows),
- * then depth chunks, then panels over the OpenMP threads, then the block's row groups, their
- * rows spread evenly (32 rows on AVX2: 6,6,5,5,5,5, not 6,6,6,6,6,2). Chunks after the first
- * add to the partial sums in y; the last adds the bias.
+ * 32 registers), reading the panel's two weight vectors and MR broadcasts of x a depth. x is
+ * rearranged first, a row block at a time, into the caller's scratch: a row group's depths
+ * of a chunk as [kcc][MR] (every broadcast an offset from one pointer; reading x in place,
+ * GCC ran out of general registers for the MR row pointers and moved them in from vector
+ * registers every depth: 1.07-1.16x on a Zen 5 core). While a panel's row groups run, the
+ * weights' next kcc x NR floats (the next panel's chunk: the layout is one sequential stream
+ * in the order the loops read it) are prefetched into L1, two lines a depth at most, shared
+ * out over the row groups: without it the first row group waited on memory and the others on
+ * the FMAs, the two times adding up (166 -> 221 GFLOP/s at 32 rows on Zen 5 with the weights
+ * out of cache; 253 with them in L3). Loops: blocks of up to MC rows, split evenly (x's block
+ * rearranged once, read by every panel from L2), then depth chunks, then panels over the
+ * OpenMP threads, then the block's row groups, their rows spread evenly (32 rows on AVX2:
+ * 6,6,5,5,5,5, not 6,6,6,6,6,2). Chunks after the first add to the partial sums in y; the
+ * last adds the bias.
+ *
+ * On a Zen 5 core (AVX-512, one thread, weights out of cache, benchmarks/cpu_gemm_bench.py
+ * --kind fma): against oneDNN's prepacked GEMM 1.25-1.38x at 32 rows, 1.04-1.16x at 64,
+ * 0.95-1.0x at 256 and 0.92-0.97x at 1536 (0.84x for the random model's 5632-wide gate_up),
+ * 0.90-1.08x at one row; end to end the decode-heavy trace's base model went from 1.02x to
+ * 1.26x of vLLM's, prompt-heavy SmolLM2 0.99-1.01x to 1.03-1.04x (docs/benchmarks.md, "Zen 5,
+ * fourth visit").
  */
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_id.h"
 #include "vector_width.h"
 
 /* -std=c11 turns off contracting a * b + c into one FMA: this kernel is nothing else. */
@@ -43,7 +59,7 @@
 #endif
 #define KC_MAX (KC_BYTES / (4 * NR))
 #ifndef MC
-#define MC (40 * MR)
+#define MC 120
 #endif
 
 #ifndef SUB
@@ -62,12 +78,16 @@ static int64_t chunk_depth(int64_t k) {
     return chunks > 0 ? (k + chunks - 1) / chunks : 1;
 }
 
-/* 1 where this build was measured faster than oneDNN (x86 with AVX2 and FMA, no AVX-512:
-   a Zen 3 core), so that LORAPLEX_FMA_GEMM=auto turns it on; elsewhere it is correct but
-   unmeasured (AVX-512's 12 x 32 tiles) or plainly slower (no FMA) */
+/* 1 where this build was measured faster than oneDNN, so that LORAPLEX_FMA_GEMM=auto turns
+   it on: x86 with AVX2 and FMA, no AVX-512 (a Zen 3 core), and AVX-512 on AMD's family 0x1A
+   and later (a Zen 5 core: 1.25-1.38x at 32 rows, 0.92-1.0x at 256-1536, see above).
+   Elsewhere it is correct but unmeasured (AVX-512 on Intel) or slower (Zen 4, before
+   the packed x and the next panel's prefetch; no FMA) */
 int loraplex_fma_tuned(void) {
 #if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
     return 1;
+#elif defined(__x86_64__) && defined(__AVX512F__)
+    return amd_family() >= 0x1A;
 #else
     return 0;
 #endif
@@ -92,14 +112,16 @@ void loraplex_fma_pack(const float *w, int64_t ldw, int64_t n, int64_t k, float 
 }
 
 /* rows (<= MR) x one panel's chunk: y = (first ? 0 : y) + x[:, chunk] @ panel, + bias when
-   given; only the first `cols` columns of y exist.
+   given; only the first `cols` columns of y exist. xp: the rows' chunk of x as [kcc][MR];
+   pf .. pf_last (and pf_half on): the weights' lines this tile prefetches, one a depth each.
    The sum is two-level: SUB depths at a time into fresh register accumulators, each part
    then added to running totals kept in L1 (tot). A single running sum a column errs like
    sqrt(k) roundings (at 4200 deep, 5x oneDNN's blocked sums: the tests' 4x bound failed);
    two levels like sqrt(SUB) + sqrt(k / SUB): measured 3-4x under oneDNN's error. Cost: a
    vector load, add and store per accumulator each SUB depths. */
-INLINE void tile(const float *wp, int64_t kcc, const float *x, int64_t ldx, float *y,
-                 int64_t ldy, int64_t cols, const float *bias, int first, const int rows) {
+INLINE void tile(const float *wp, int64_t kcc, const float *xp, float *y,
+                 int64_t ldy, int64_t cols, const float *bias, int first, const int rows,
+                 const char *pf, const char *pf_last, int64_t pf_half) {
     float tot[MR][NR] __attribute__((aligned(64)));
     for (int r = 0; r < rows; r++) {
         if (first) {
@@ -119,9 +141,14 @@ INLINE void tile(const float *wp, int64_t kcc, const float *x, int64_t ldx, floa
         for (int r = 0; r < rows; r++)
             acc[r][0] = acc[r][1] = (vf){0};
         for (int64_t d = s0; d < s1; d++) {
+            /* two lines a depth, pf_half apart (the same line twice where one a depth
+               covers the share); no branch: pf stops at its last line */
+            __builtin_prefetch(pf, 0, 3);
+            __builtin_prefetch(pf + pf_half, 0, 3);
+            pf = pf + 64 < pf_last ? pf + 64 : pf_last;
             const vf w0 = *(const vf *)(wp + d * NR), w1 = *(const vf *)(wp + d * NR + VW);
             for (int r = 0; r < rows; r++) {
-                const float xv = x[r * ldx + d];
+                const float xv = xp[d * MR + r];
                 acc[r][0] += w0 * xv;
                 acc[r][1] += w1 * xv;
             }
@@ -145,21 +172,44 @@ INLINE void tile(const float *wp, int64_t kcc, const float *x, int64_t ldx, floa
 }
 
 #define TILE_CASE(R) \
-    case R: tile(wp, kcc, x, ldx, y, ldy, cols, bias, first, R); break;
+    case R: tile(wp, kcc, xp, y, ldy, cols, bias, first, R, pf, pf_last, pf_half); break;
 
-static void tile_rows(const float *wp, int64_t kcc, const float *x, int64_t ldx, float *y,
-                      int64_t ldy, int64_t cols, const float *bias, int first, int rows) {
+static void tile_rows(const float *wp, int64_t kcc, const float *xp, float *y,
+                      int64_t ldy, int64_t cols, const float *bias, int first, int rows,
+                      const char *pf, const char *pf_last, int64_t pf_half) {
     switch (rows) {
     TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5)
 #if MR == 12
     TILE_CASE(6) TILE_CASE(7) TILE_CASE(8) TILE_CASE(9) TILE_CASE(10) TILE_CASE(11)
 #endif
-    default: tile(wp, kcc, x, ldx, y, ldy, cols, bias, first, MR); break;
+    default: tile(wp, kcc, xp, y, ldy, cols, bias, first, MR, pf, pf_last, pf_half); break;
     }
 }
 
+/* a row block's rows (blocks of at most MC, split evenly: 256 rows are 2 x 128, not 240 + 16) */
+static int64_t block_rows(int64_t m) {
+    const int64_t blocks = (m + MC - 1) / MC;
+    return (m + blocks - 1) / blocks;
+}
+
+/* float32 elements of the scratch loraplex_fma_linear needs for m rows of depth k: one row
+   block's x, its row groups padded to MR rows */
+int64_t loraplex_fma_scratch_elems(int64_t m, int64_t k) {
+    if (m <= 0 || k <= 0)
+        return 0;
+    return (block_rows(m) + MR - 1) / MR * MR * k;
+}
+
+/* rows (<= MR) of x, depths [0, kcc) -> xp[kcc][MR], a depth's rows side by side */
+static void pack_x(const float *x, int64_t ldx, int rows, int64_t kcc, float *xp) {
+    for (int r = 0; r < rows; r++)
+        for (int64_t d = 0; d < kcc; d++)
+            xp[d * MR + r] = x[r * ldx + d];
+}
+
 void loraplex_fma_linear(const float *x, int64_t ldx, const float *w, const float *bias,
-                         float *y, int64_t ldy, int64_t m, int64_t n, int64_t k, int threads) {
+                         float *y, int64_t ldy, int64_t m, int64_t n, int64_t k, float *scratch,
+                         int threads) {
     if (m <= 0 || n <= 0)
         return;
     if (k <= 0) {  /* an empty sum: y is the bias (or zero) */
@@ -169,24 +219,53 @@ void loraplex_fma_linear(const float *x, int64_t ldx, const float *w, const floa
         return;
     }
     const int64_t np = round_nr(n), panels = np / NR, kc = chunk_depth(k);
-    /* row blocks of at most MC rows, split evenly (256 rows: 2 x 128, not 240 + 16) */
-    const int64_t blocks = (m + MC - 1) / MC, mb = (m + blocks - 1) / blocks;
+    const char *wend = (const char *)(w + np * k);
+    const int64_t mb = block_rows(m);
 #pragma omp parallel num_threads(threads) if (threads > 1)
     for (int64_t m0 = 0; m0 < m; m0 += mb) {
         const int64_t mc = m - m0 < mb ? m - m0 : mb;
         const int64_t groups = (mc + MR - 1) / MR, base = mc / groups, extra = mc % groups;
+        /* the block's x into the scratch: chunk by chunk, a row group's [kcc][MR] each (the
+           loop below waits for it at this loop's barrier, and the next block's packing for
+           the panels at theirs) */
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t r0 = m0 + g * base + (g < extra ? g : extra);
+            for (int64_t d0 = 0; d0 < k; d0 += kc) {
+                const int64_t kcc = k - d0 < kc ? k - d0 : kc;
+                pack_x(x + r0 * ldx + d0, ldx, (int)(base + (g < extra)), kcc,
+                       scratch + d0 * groups * MR + g * kcc * MR);
+            }
+        }
         for (int64_t d0 = 0; d0 < k; d0 += kc) {
             const int64_t kcc = k - d0 < kc ? k - d0 : kc;
             const int first = d0 == 0, last = d0 + kcc >= k;
             const float *wc = w + d0 * np;
+            const float *xc = scratch + d0 * groups * MR;
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < panels; p++) {
                 const int64_t n0 = p * NR, cols = n - n0 < NR ? n - n0 : NR;
                 int64_t r0 = m0;
+                /* the weights' next kcc * NR floats (the next panel, or the next chunk's
+                   first) are prefetched while this panel's row groups run, a share each */
+                const char *next = (const char *)(wc + (p + 1) * kcc * NR);
+                const int64_t lines = kcc * NR * 4 / 64, share = (lines + groups - 1) / groups;
                 for (int64_t g = 0; g < groups; g++) {
                     const int rows = (int)(base + (g < extra));
-                    tile_rows(wc + p * kcc * NR, kcc, x + r0 * ldx + d0, ldx, y + r0 * ldy + n0,
-                              ldy, cols, last && bias != NULL ? bias + n0 : NULL, first, rows);
+                    const char *pf = next + g * share * 64;
+                    int64_t own = share;  /* this group's lines (none past the weights) */
+                    if (pf + own * 64 > wend)
+                        own = pf < wend ? (wend - pf) / 64 : 0;
+                    /* one line a depth covers the share, or two (at most 2 kcc lines: a
+                       panel's depth is NR floats, at most two lines) */
+                    const int64_t half = own > kcc ? (own + 1) / 2 : 0;
+                    const int64_t per = own > kcc ? (own + 1) / 2 : own;
+                    if (own == 0)
+                        pf = (const char *)(wc + p * kcc * NR);  /* in cache already */
+                    const char *pf_last = pf + (per > 0 ? per - 1 : 0) * 64;
+                    tile_rows(wc + p * kcc * NR, kcc, xc + g * kcc * MR, y + r0 * ldy + n0,
+                              ldy, cols, last && bias != NULL ? bias + n0 : NULL, first, rows,
+                              pf, pf_last, half * 64);
                     r0 += rows;
                 }
             }
