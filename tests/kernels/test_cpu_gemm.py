@@ -68,8 +68,8 @@ def _check(kind: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
 SHAPES = [  # (rows, depth, columns): tails of every tile and panel dimension (AMX: 32 x 32
     # tiles, 2048-deep chunks; under 15 rows the FMA path, whole panels to 6 rows (1, 2, 6),
     # half panels from 7 (7, 11, 12, 13, 14). FMA: 6 x 16 tiles on AVX2, 12 x 32 with
-    # AVX-512, depth chunks of 1024 or 512, row blocks of 120, split evenly, x rearranged a
-    # block at a time: 121 is two blocks of 61, 241 three)
+    # AVX-512, depth chunks of up to 1024 split evenly (2049 deep: 3 of 683), row blocks of
+    # up to 120 split evenly, x rearranged a block at a time: 121 is two blocks of 61)
     (1, 1, 1), (1, 64, 48), (2, 576, 960), (6, 100, 70), (7, 33, 130), (11, 300, 64),
     (12, 2049, 33), (13, 1536, 64), (14, 96, 3000), (15, 31, 17), (16, 32, 32), (17, 33, 33),
     (31, 16, 96),
