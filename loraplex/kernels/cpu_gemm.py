@@ -81,7 +81,7 @@ def _fma_library() -> ctypes.CDLL | None:
         lib.loraplex_fma_packed_elems.restype = _i64
         lib.loraplex_fma_pack.argtypes = [_p, _i64, _i64, _i64, _p, _int]
         lib.loraplex_fma_pack.restype = None
-        lib.loraplex_fma_scratch_elems.argtypes = [_i64, _i64]
+        lib.loraplex_fma_scratch_elems.argtypes = [_i64, _i64, _int]
         lib.loraplex_fma_scratch_elems.restype = _i64
         lib.loraplex_fma_linear.argtypes = [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _p,
                                             _int]
@@ -292,7 +292,7 @@ def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -
     bias_ptr = bias.data_ptr() if bias is not None else None
     if w.kind == "fma":
         # x rearranged a row block at a time, as the micro-kernel reads it (float32)
-        scratch = _scratch_for(2 * lib.loraplex_fma_scratch_elems(rows, w.d_in))
+        scratch = _scratch_for(2 * lib.loraplex_fma_scratch_elems(rows, w.d_in, threads))
         lib.loraplex_fma_linear(x.data_ptr(), x.stride(0), w.data.data_ptr(), bias_ptr,
                                 y.data_ptr(), y.stride(0), rows, w.d_out, w.d_in,
                                 scratch.data_ptr(), threads)

@@ -21,9 +21,12 @@
  * 12 of its 16 registers, two for the weights, one for x's broadcast; 12 x 32 with AVX-512's
  * 32 registers), reading the panel's two weight vectors and MR broadcasts of x a depth. x is
  * rearranged first, a row block at a time, into the caller's scratch: a row group's depths
- * of a chunk as [kcc][MR] (every broadcast an offset from one pointer; reading x in place,
- * GCC ran out of general registers for the MR row pointers and moved them in from vector
- * registers every depth: 1.07-1.16x on a Zen 5 core). While a panel's row groups run, the
+ * of a chunk as [kcc][XS] (XS = MR on AVX2; with AVX-512 16, a depth's rows one 64-byte line,
+ * written 16 depths at a time by a register transpose: every broadcast an offset from one
+ * pointer; reading x in place, GCC ran out of general registers for the MR row pointers and
+ * moved them in from vector registers every depth: 1.07-1.16x on a Zen 5 core; the
+ * transposed, line-aligned copy 1.02-1.07x over a scalar [kcc][MR] one, whose cost showed at
+ * narrow outputs: 0.4 ms of a 1536 x 1536 x 576 product). While a panel's row groups run, the
  * weights' next kcc x NR floats (the next panel's chunk: the layout is one sequential stream
  * in the order the loops read it) are prefetched into L1, two lines a depth at most, shared
  * out over the row groups: without it the first row group waited on memory and the others on
@@ -46,6 +49,14 @@
 
 #include "cpu_id.h"
 #include "vector_width.h"
+#ifdef _OPENMP
+#include <omp.h>
+static int thread_index(void) { return omp_get_thread_num(); }
+static int thread_count(void) { return omp_get_num_threads(); }
+#else
+static int thread_index(void) { return 0; }
+static int thread_count(void) { return 1; }
+#endif
 
 /* -std=c11 turns off contracting a * b + c into one FMA: this kernel is nothing else. */
 #pragma GCC optimize("fp-contract=fast")
@@ -73,6 +84,14 @@
 #endif
 
 #define INLINE static inline __attribute__((always_inline))
+
+/* floats a depth of rearranged x takes: MR, or a whole vector with AVX-512 (pack_x) */
+#if VW == 16
+#include "transpose16.h"
+#define XS 16
+#else
+#define XS MR
+#endif
 
 typedef float vf __attribute__((vector_size(4 * VW), aligned(4), may_alias));
 
@@ -118,7 +137,7 @@ void loraplex_fma_pack(const float *w, int64_t ldw, int64_t n, int64_t k, float 
 }
 
 /* rows (<= MR) x one panel's chunk: y = (first ? 0 : y) + x[:, chunk] @ panel, + bias when
-   given; only the first `cols` columns of y exist. xp: the rows' chunk of x as [kcc][MR];
+   given; only the first `cols` columns of y exist. xp: the rows' chunk of x as [kcc][XS];
    pf .. pf_last (and pf_half on): the weights' lines this tile prefetches, one a depth each.
    The sum is two-level: SUB depths at a time into fresh register accumulators, each part
    then added to running totals kept in L1 (tot). A single running sum a column errs like
@@ -154,7 +173,7 @@ INLINE void tile(const float *wp, int64_t kcc, const float *xp, float *y,
             pf = pf + 64 < pf_last ? pf + 64 : pf_last;
             const vf w0 = *(const vf *)(wp + d * NR), w1 = *(const vf *)(wp + d * NR + VW);
             for (int r = 0; r < rows; r++) {
-                const float xv = xp[d * MR + r];
+                const float xv = xp[d * XS + r];
                 acc[r][0] += w0 * xv;
                 acc[r][1] += w1 * xv;
             }
@@ -192,27 +211,124 @@ static void tile_rows(const float *wp, int64_t kcc, const float *xp, float *y,
     }
 }
 
-/* a row block's rows (blocks of at most MC, split evenly: 256 rows are 2 x 128, not 240 + 16) */
-static int64_t block_rows(int64_t m) {
-    const int64_t blocks = (m + MC - 1) / MC;
-    return (m + blocks - 1) / blocks;
+/* row blocks of a call: at most MC rows each, split evenly (256 rows are 2 x 128, not 240 +
+   16); with several threads and more than one block, a multiple of the threads (each thread
+   runs whole blocks: see loraplex_fma_linear) */
+static int64_t block_count(int64_t m, int threads) {
+    int64_t blocks = (m + MC - 1) / MC;
+    if (threads > 1 && blocks > 1)
+        blocks = (blocks + threads - 1) / threads * threads;
+    return blocks;
 }
 
-/* float32 elements of the scratch loraplex_fma_linear needs for m rows of depth k: one row
-   block's x, its row groups padded to MR rows */
-int64_t loraplex_fma_scratch_elems(int64_t m, int64_t k) {
+/* the scratch one row block needs: its rows' x, a row group's depth XS floats */
+static int64_t block_scratch(int64_t m, int64_t k, int threads) {
+    const int64_t blocks = block_count(m, threads), mb = (m + blocks - 1) / blocks;
+    return (mb + MR - 1) / MR * XS * k;
+}
+
+/* float32 elements of the scratch loraplex_fma_linear needs for m rows of depth k on this
+   many threads: one row block's x, or one a thread where the threads split the blocks */
+int64_t loraplex_fma_scratch_elems(int64_t m, int64_t k, int threads) {
     if (m <= 0 || k <= 0)
         return 0;
-    return (block_rows(m) + MR - 1) / MR * MR * k;
+    const int64_t blocks = block_count(m, threads);
+    const int64_t copies = threads > 1 && blocks > 1 ? threads : 1;
+    return copies * block_scratch(m, k, threads);
 }
 
-/* rows (<= MR) of x, depths [0, kcc) -> xp[kcc][MR], a depth's rows side by side */
+/* rows (<= MR) of x, depths [0, kcc) -> xp[kcc][XS], a depth's rows side by side (lanes
+   past `rows` unused); with AVX-512 16 depths at a time through a register transpose */
 static void pack_x(const float *x, int64_t ldx, int rows, int64_t kcc, float *xp) {
-    for (int r = 0; r < rows; r++)
-        for (int64_t d = 0; d < kcc; d++)
-            xp[d * MR + r] = x[r * ldx + d];
+    int64_t d = 0;
+#if VW == 16
+    for (; d + 16 <= kcc; d += 16) {
+        __m512 r[16];
+        for (int i = 0; i < 16; i++)
+            r[i] = i < rows ? _mm512_loadu_ps(x + i * ldx + d) : _mm512_setzero_ps();
+        transpose16_ps(r);
+        for (int i = 0; i < 16; i++)
+            _mm512_storeu_ps(xp + (d + i) * XS, r[i]);
+    }
+#endif
+    for (; d < kcc; d++)
+        for (int r = 0; r < rows; r++)
+            xp[d * XS + r] = x[r * ldx + d];
 }
 
+/* part `part` of `parts` of [0, count): the static schedule's contiguous share */
+static void share_of(int64_t count, int part, int parts, int64_t *lo, int64_t *hi) {
+    *lo = count * part / parts;
+    *hi = count * (part + 1) / parts;
+}
+
+/* rows m0 .. m0 + mc - 1: part `part` of `parts` threads (every one of them calls it), the
+   panels split between them; scratch: the block's x, shared by the parts */
+static void run_block(const float *x, int64_t ldx, const float *w, const float *bias, float *y,
+                      int64_t ldy, int64_t m0, int64_t mc, int64_t n, int64_t k, float *scratch,
+                      int part, int parts) {
+    const int64_t np = round_nr(n), panels = np / NR, kc = chunk_depth(k);
+    const char *wend = (const char *)(w + np * k);
+    const int64_t groups = (mc + MR - 1) / MR, base = mc / groups, extra = mc % groups;
+    int64_t lo, hi;
+    /* the block's x into the scratch: chunk by chunk, a row group's [kcc][XS] each */
+    share_of(groups, part, parts, &lo, &hi);
+    for (int64_t g = lo; g < hi; g++) {
+        const int64_t r0 = m0 + g * base + (g < extra ? g : extra);
+        for (int64_t d0 = 0; d0 < k; d0 += kc) {
+            const int64_t kcc = k - d0 < kc ? k - d0 : kc;
+            pack_x(x + r0 * ldx + d0, ldx, (int)(base + (g < extra)), kcc,
+                   scratch + d0 * groups * XS + g * kcc * XS);
+        }
+    }
+    if (parts > 1) {
+#pragma omp barrier
+    }
+    share_of(panels, part, parts, &lo, &hi);
+    for (int64_t d0 = 0; d0 < k; d0 += kc) {
+        const int64_t kcc = k - d0 < kc ? k - d0 : kc;
+        const int first = d0 == 0, last = d0 + kcc >= k;
+        const float *wc = w + d0 * np;
+        const float *xc = scratch + d0 * groups * XS;
+        for (int64_t p = lo; p < hi; p++) {  /* a part's panels: the same in every chunk */
+            const int64_t n0 = p * NR, cols = n - n0 < NR ? n - n0 : NR;
+            int64_t r0 = m0;
+            /* the weights' next kcc * NR floats (the next panel, or the next chunk's
+               first) are prefetched while this panel's row groups run, a share each */
+            const char *next = (const char *)(wc + (p + 1) * kcc * NR);
+            const int64_t lines = kcc * NR * 4 / 64, share = (lines + groups - 1) / groups;
+            for (int64_t g = 0; g < groups; g++) {
+                const int rows = (int)(base + (g < extra));
+                const char *pf = next + g * share * 64;
+                int64_t own = share;  /* this group's lines (none past the weights) */
+                if (pf + own * 64 > wend)
+                    own = pf < wend ? (wend - pf) / 64 : 0;
+                /* one line a depth covers the share, or two (at most 2 kcc lines: a
+                   panel's depth is NR floats, at most two lines) */
+                const int64_t half = own > kcc ? (own + 1) / 2 : 0;
+                const int64_t per = own > kcc ? (own + 1) / 2 : own;
+                if (own == 0)
+                    pf = (const char *)(wc + p * kcc * NR);  /* in cache already */
+                const char *pf_last = pf + (per > 0 ? per - 1 : 0) * 64;
+                tile_rows(wc + p * kcc * NR, kcc, xc + g * kcc * XS, y + r0 * ldy + n0,
+                          ldy, cols, last && bias != NULL ? bias + n0 : NULL, first, rows,
+                          pf, pf_last, half * 64);
+                r0 += rows;
+            }
+        }
+    }
+    if (parts > 1) {  /* before the next block's x overwrites the scratch */
+#pragma omp barrier
+    }
+}
+
+/* y = x @ w^T (+ bias) for x [m, k] (row stride ldx), w packed by loraplex_fma_pack, y [m, n]
+   (row stride ldy); scratch: loraplex_fma_scratch_elems(m, k, threads) floats.
+   Threads: a call of one row block (a decode step) splits its panels between them, sharing
+   the block's x; longer calls give each thread whole row blocks and a scratch of its own, so
+   no thread reads x another one wrote (split by panels, with the x rearranged by both, a
+   1536-row call ran 0.79-0.82x of oneDNN at two threads on a Zen 5 pair, where one thread
+   alone ran 0.94-1.0x). */
 void loraplex_fma_linear(const float *x, int64_t ldx, const float *w, const float *bias,
                          float *y, int64_t ldy, int64_t m, int64_t n, int64_t k, float *scratch,
                          int threads) {
@@ -224,57 +340,23 @@ void loraplex_fma_linear(const float *x, int64_t ldx, const float *w, const floa
                 y[r * ldy + j] = bias != NULL ? bias[j] : 0.0f;
         return;
     }
-    const int64_t np = round_nr(n), panels = np / NR, kc = chunk_depth(k);
-    const char *wend = (const char *)(w + np * k);
-    const int64_t mb = block_rows(m);
+    const int64_t blocks = block_count(m, threads), mb = (m + blocks - 1) / blocks;
+    const int64_t own = block_scratch(m, k, threads);
+    if (threads > 1 && blocks > 1) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t m0 = b * mb, mc = m - m0 < mb ? m - m0 : mb;
+            if (mc > 0)
+                run_block(x, ldx, w, bias, y, ldy, m0, mc, n, k,
+                          scratch + thread_index() * own, 0, 1);
+        }
+        return;
+    }
 #pragma omp parallel num_threads(threads) if (threads > 1)
-    for (int64_t m0 = 0; m0 < m; m0 += mb) {
-        const int64_t mc = m - m0 < mb ? m - m0 : mb;
-        const int64_t groups = (mc + MR - 1) / MR, base = mc / groups, extra = mc % groups;
-        /* the block's x into the scratch: chunk by chunk, a row group's [kcc][MR] each (the
-           loop below waits for it at this loop's barrier, and the next block's packing for
-           the panels at theirs) */
-#pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
-            const int64_t r0 = m0 + g * base + (g < extra ? g : extra);
-            for (int64_t d0 = 0; d0 < k; d0 += kc) {
-                const int64_t kcc = k - d0 < kc ? k - d0 : kc;
-                pack_x(x + r0 * ldx + d0, ldx, (int)(base + (g < extra)), kcc,
-                       scratch + d0 * groups * MR + g * kcc * MR);
-            }
-        }
-        for (int64_t d0 = 0; d0 < k; d0 += kc) {
-            const int64_t kcc = k - d0 < kc ? k - d0 : kc;
-            const int first = d0 == 0, last = d0 + kcc >= k;
-            const float *wc = w + d0 * np;
-            const float *xc = scratch + d0 * groups * MR;
-#pragma omp for schedule(static)
-            for (int64_t p = 0; p < panels; p++) {
-                const int64_t n0 = p * NR, cols = n - n0 < NR ? n - n0 : NR;
-                int64_t r0 = m0;
-                /* the weights' next kcc * NR floats (the next panel, or the next chunk's
-                   first) are prefetched while this panel's row groups run, a share each */
-                const char *next = (const char *)(wc + (p + 1) * kcc * NR);
-                const int64_t lines = kcc * NR * 4 / 64, share = (lines + groups - 1) / groups;
-                for (int64_t g = 0; g < groups; g++) {
-                    const int rows = (int)(base + (g < extra));
-                    const char *pf = next + g * share * 64;
-                    int64_t own = share;  /* this group's lines (none past the weights) */
-                    if (pf + own * 64 > wend)
-                        own = pf < wend ? (wend - pf) / 64 : 0;
-                    /* one line a depth covers the share, or two (at most 2 kcc lines: a
-                       panel's depth is NR floats, at most two lines) */
-                    const int64_t half = own > kcc ? (own + 1) / 2 : 0;
-                    const int64_t per = own > kcc ? (own + 1) / 2 : own;
-                    if (own == 0)
-                        pf = (const char *)(wc + p * kcc * NR);  /* in cache already */
-                    const char *pf_last = pf + (per > 0 ? per - 1 : 0) * 64;
-                    tile_rows(wc + p * kcc * NR, kcc, xc + g * kcc * MR, y + r0 * ldy + n0,
-                              ldy, cols, last && bias != NULL ? bias + n0 : NULL, first, rows,
-                              pf, pf_last, half * 64);
-                    r0 += rows;
-                }
-            }
-        }
+    {
+        const int part = thread_index(), parts = thread_count();
+        for (int64_t m0 = 0; m0 < m; m0 += mb)
+            run_block(x, ldx, w, bias, y, ldy, m0, m - m0 < mb ? m - m0 : mb, n, k, scratch,
+                      part, parts);
     }
 }
