@@ -22,7 +22,9 @@
  * 32 registers), reading the panel's two weight vectors and MR broadcasts of x a depth. x is
  * rearranged first, a row block at a time, into the caller's scratch: a row group's depths
  * of a chunk as [kcc][XS] (XS = MR on AVX2; with AVX-512 16, a depth's rows one 64-byte line,
- * written 16 depths at a time by a register transpose: every broadcast an offset from one
+ * written 16 depths at a time by a register transpose; a block of one row group, a decode
+ * step of up to MR rows, as [kcc][rows]: one row's 4 bytes a depth, not a line, 1.15x at one
+ * row): every broadcast an offset from one
  * pointer; reading x in place, GCC ran out of general registers for the MR row pointers and
  * moved them in from vector registers every depth: 1.07-1.16x on a Zen 5 core; the
  * transposed, line-aligned copy 1.02-1.07x over a scalar [kcc][MR] one, whose cost showed at
@@ -137,14 +139,14 @@ void loraplex_fma_pack(const float *w, int64_t ldw, int64_t n, int64_t k, float 
 }
 
 /* rows (<= MR) x one panel's chunk: y = (first ? 0 : y) + x[:, chunk] @ panel, + bias when
-   given; only the first `cols` columns of y exist. xp: the rows' chunk of x as [kcc][XS];
+   given; only the first `cols` columns of y exist. xp: the rows' chunk of x as [kcc][xs];
    pf .. pf_last (and pf_half on): the weights' lines this tile prefetches, one a depth each.
    The sum is two-level: SUB depths at a time into fresh register accumulators, each part
    then added to running totals kept in L1 (tot). A single running sum a column errs like
    sqrt(k) roundings (at 4200 deep, 5x oneDNN's blocked sums: the tests' 4x bound failed);
    two levels like sqrt(SUB) + sqrt(k / SUB): measured 3-4x under oneDNN's error. Cost: a
    vector load, add and store per accumulator each SUB depths. */
-INLINE void tile(const float *wp, int64_t kcc, const float *xp, float *y,
+INLINE void tile(const float *wp, int64_t kcc, const float *xp, int64_t xs, float *y,
                  int64_t ldy, int64_t cols, const float *bias, int first, const int rows,
                  const char *pf, const char *pf_last, int64_t pf_half) {
     float tot[MR][NR] __attribute__((aligned(64)));
@@ -173,7 +175,7 @@ INLINE void tile(const float *wp, int64_t kcc, const float *xp, float *y,
             pf = pf + 64 < pf_last ? pf + 64 : pf_last;
             const vf w0 = *(const vf *)(wp + d * NR), w1 = *(const vf *)(wp + d * NR + VW);
             for (int r = 0; r < rows; r++) {
-                const float xv = xp[d * XS + r];
+                const float xv = xp[d * xs + r];
                 acc[r][0] += w0 * xv;
                 acc[r][1] += w1 * xv;
             }
@@ -197,9 +199,9 @@ INLINE void tile(const float *wp, int64_t kcc, const float *xp, float *y,
 }
 
 #define TILE_CASE(R) \
-    case R: tile(wp, kcc, xp, y, ldy, cols, bias, first, R, pf, pf_last, pf_half); break;
+    case R: tile(wp, kcc, xp, xs, y, ldy, cols, bias, first, R, pf, pf_last, pf_half); break;
 
-static void tile_rows(const float *wp, int64_t kcc, const float *xp, float *y,
+static void tile_rows(const float *wp, int64_t kcc, const float *xp, int64_t xs, float *y,
                       int64_t ldy, int64_t cols, const float *bias, int first, int rows,
                       const char *pf, const char *pf_last, int64_t pf_half) {
     switch (rows) {
@@ -207,7 +209,7 @@ static void tile_rows(const float *wp, int64_t kcc, const float *xp, float *y,
 #if MR == 12
     TILE_CASE(6) TILE_CASE(7) TILE_CASE(8) TILE_CASE(9) TILE_CASE(10) TILE_CASE(11)
 #endif
-    default: tile(wp, kcc, xp, y, ldy, cols, bias, first, MR, pf, pf_last, pf_half); break;
+    default: tile(wp, kcc, xp, xs, y, ldy, cols, bias, first, MR, pf, pf_last, pf_half); break;
     }
 }
 
@@ -237,23 +239,24 @@ int64_t loraplex_fma_scratch_elems(int64_t m, int64_t k, int threads) {
     return copies * block_scratch(m, k, threads);
 }
 
-/* rows (<= MR) of x, depths [0, kcc) -> xp[kcc][XS], a depth's rows side by side (lanes
-   past `rows` unused); with AVX-512 16 depths at a time through a register transpose */
-static void pack_x(const float *x, int64_t ldx, int rows, int64_t kcc, float *xp) {
+/* rows (<= MR) of x, depths [0, kcc) -> xp[kcc][xs], a depth's rows side by side (lanes
+   past `rows` unused; xs: XS, or the rows); xs == 16 (AVX-512) 16 depths at a time through a
+   register transpose */
+static void pack_x(const float *x, int64_t ldx, int rows, int64_t kcc, float *xp, int64_t xs) {
     int64_t d = 0;
 #if VW == 16
-    for (; d + 16 <= kcc; d += 16) {
+    for (; xs == 16 && d + 16 <= kcc; d += 16) {
         __m512 r[16];
         for (int i = 0; i < 16; i++)
             r[i] = i < rows ? _mm512_loadu_ps(x + i * ldx + d) : _mm512_setzero_ps();
         transpose16_ps(r);
         for (int i = 0; i < 16; i++)
-            _mm512_storeu_ps(xp + (d + i) * XS, r[i]);
+            _mm512_storeu_ps(xp + (d + i) * 16, r[i]);
     }
 #endif
     for (; d < kcc; d++)
         for (int r = 0; r < rows; r++)
-            xp[d * XS + r] = x[r * ldx + d];
+            xp[d * xs + r] = x[r * ldx + d];
 }
 
 /* part `part` of `parts` of [0, count): the static schedule's contiguous share */
@@ -270,15 +273,18 @@ static void run_block(const float *x, int64_t ldx, const float *w, const float *
     const int64_t np = round_nr(n), panels = np / NR, kc = chunk_depth(k);
     const char *wend = (const char *)(w + np * k);
     const int64_t groups = (mc + MR - 1) / MR, base = mc / groups, extra = mc % groups;
+    /* a depth's floats in the scratch: XS, or a lone group's rows (one row: 4 bytes a depth,
+       not a 64-byte line) */
+    const int64_t xs = groups == 1 ? mc : XS;
     int64_t lo, hi;
-    /* the block's x into the scratch: chunk by chunk, a row group's [kcc][XS] each */
+    /* the block's x into the scratch: chunk by chunk, a row group's [kcc][xs] each */
     share_of(groups, part, parts, &lo, &hi);
     for (int64_t g = lo; g < hi; g++) {
         const int64_t r0 = m0 + g * base + (g < extra ? g : extra);
         for (int64_t d0 = 0; d0 < k; d0 += kc) {
             const int64_t kcc = k - d0 < kc ? k - d0 : kc;
             pack_x(x + r0 * ldx + d0, ldx, (int)(base + (g < extra)), kcc,
-                   scratch + d0 * groups * XS + g * kcc * XS);
+                   scratch + d0 * groups * xs + g * kcc * xs, xs);
         }
     }
     if (parts > 1) {
@@ -289,7 +295,7 @@ static void run_block(const float *x, int64_t ldx, const float *w, const float *
         const int64_t kcc = k - d0 < kc ? k - d0 : kc;
         const int first = d0 == 0, last = d0 + kcc >= k;
         const float *wc = w + d0 * np;
-        const float *xc = scratch + d0 * groups * XS;
+        const float *xc = scratch + d0 * groups * xs;
         for (int64_t p = lo; p < hi; p++) {  /* a part's panels: the same in every chunk */
             const int64_t n0 = p * NR, cols = n - n0 < NR ? n - n0 : NR;
             int64_t r0 = m0;
@@ -310,7 +316,7 @@ static void run_block(const float *x, int64_t ldx, const float *w, const float *
                 if (own == 0)
                     pf = (const char *)(wc + p * kcc * NR);  /* in cache already */
                 const char *pf_last = pf + (per > 0 ? per - 1 : 0) * 64;
-                tile_rows(wc + p * kcc * NR, kcc, xc + g * kcc * XS, y + r0 * ldy + n0,
+                tile_rows(wc + p * kcc * NR, kcc, xc + g * kcc * xs, xs, y + r0 * ldy + n0,
                           ldy, cols, last && bias != NULL ? bias + n0 : NULL, first, rows,
                           pf, pf_last, half * 64);
                 r0 += rows;
