@@ -40,11 +40,11 @@
  * last adds the bias.
  *
  * On a Zen 5 core (AVX-512, one thread, weights out of cache, benchmarks/cpu_gemm_bench.py
- * --kind fma): against oneDNN's prepacked GEMM 1.25-1.38x at 32 rows, 1.04-1.16x at 64,
- * 0.95-1.0x at 256 and 0.92-0.97x at 1536 (0.84x for the random model's 5632-wide gate_up),
- * 0.90-1.08x at one row; end to end the decode-heavy trace's base model went from 1.02x to
- * 1.26x of vLLM's, prompt-heavy SmolLM2 0.99-1.01x to 1.03-1.04x (docs/benchmarks.md, "Zen 5,
- * fourth visit").
+ * --kind fma, at 5fa21ba): against oneDNN's prepacked GEMM 1.32-1.55x at 32 rows, 1.13-1.24x
+ * at 64, 1.00-1.06x at 256, 0.94-1.04x at 1536, 0.96-1.38x at one row, 1.10-1.38x at four, at
+ * SmolLM2's and the benchmark Llama's shapes; end to end the decode-heavy trace's base model
+ * went from 1.02x to 1.24-1.28x of vLLM's, prompt-heavy SmolLM2 from 0.99-1.01x to
+ * 1.11-1.19x (docs/benchmarks.md, "Zen 5, fourth visit").
  */
 #include <stdint.h>
 #include <string.h>
@@ -107,7 +107,7 @@ static int64_t chunk_depth(int64_t k) {
 
 /* 1 where this build was measured faster than oneDNN, so that LORAPLEX_FMA_GEMM=auto turns
    it on: x86 with AVX2 and FMA, no AVX-512 (a Zen 3 core), and AVX-512 on AMD's family 0x1A
-   and later (a Zen 5 core: 1.25-1.38x at 32 rows, 0.92-1.0x at 256-1536, see above).
+   and later (a Zen 5 core: 1.32-1.55x at 32 rows, 0.94-1.06x at 256-1536, see above).
    Elsewhere it is correct but unmeasured (AVX-512 on Intel) or slower (Zen 4, before
    the packed x and the next panel's prefetch; no FMA) */
 int loraplex_fma_tuned(void) {
