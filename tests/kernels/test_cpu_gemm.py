@@ -340,3 +340,52 @@ def test_fma_kernel_builds_with_its_tile_in_registers(tmp_path, march: str, fmas
                 found.append(len(lines))
     assert found, f"no loop of {fmas} FMAs ({march})"
     assert min(found) <= fmas // 12, f"{min(found)} register moves a depth ({march})"
+
+
+def test_avx2_build_matches_float64(tmp_path) -> None:
+    """The AVX2 build (6 x 16 tiles, x rearranged as [depth][6] by plain copies, no register
+    transpose) computes what the float64 reference does, on any host that can run AVX2: a
+    host with AVX-512 otherwise runs only the 12 x 32 build, and `auto` turns the AVX2 one on
+    for every AVX2 CPU without AVX-512 (Zen 3)."""
+    import ctypes
+    import platform
+    if platform.machine() not in ("x86_64", "AMD64") or not os.path.exists("/proc/cpuinfo"):
+        pytest.skip("needs an x86 Linux host")
+    with open("/proc/cpuinfo") as f:
+        flags = set(re.search(r"^flags\s*:(.*)$", f.read(), re.M).group(1).split())
+    if not {"avx2", "fma"} <= flags:
+        pytest.skip("the host cannot run AVX2 code")
+    cc = native._compiler()
+    if cc is None:
+        pytest.skip("needs a C compiler")
+    so = tmp_path / "gemm_fma_avx2.so"
+    cross_build(cc, "gemm_fma", "haswell", so)
+    lib = ctypes.CDLL(str(so))
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    lib.loraplex_fma_tuned.restype = ctypes.c_int
+    lib.loraplex_fma_packed_elems.argtypes = [i64, i64]
+    lib.loraplex_fma_packed_elems.restype = i64
+    lib.loraplex_fma_pack.argtypes = [p, i64, i64, i64, p, ctypes.c_int]
+    lib.loraplex_fma_scratch_elems.argtypes = [i64, i64, ctypes.c_int]
+    lib.loraplex_fma_scratch_elems.restype = i64
+    lib.loraplex_fma_linear.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, p, ctypes.c_int]
+    assert lib.loraplex_fma_tuned() == 1  # AVX2 and FMA, no AVX-512
+    gen = torch.Generator().manual_seed(11)
+    # one row group (1, 5), several (13, 32), several blocks of 120 (121, 250), depth chunks
+    # (1100: two of 550), column tails (17, 40)
+    for rows, depth, cols, threads in [(1, 64, 17, 1), (5, 1100, 40, 1), (13, 33, 50, 2),
+                                       (32, 576, 96, 1), (121, 100, 33, 2), (250, 1100, 40, 2)]:
+        x = torch.randn(rows, depth, generator=gen)
+        w = torch.randn(cols, depth, generator=gen) * 0.05
+        bias = torch.randn(cols, generator=gen)
+        packed = torch.empty(lib.loraplex_fma_packed_elems(cols, depth), dtype=torch.float32)
+        lib.loraplex_fma_pack(w.data_ptr(), depth, cols, depth, packed.data_ptr(), 1)
+        scratch = torch.empty(max(lib.loraplex_fma_scratch_elems(rows, depth, threads), 1),
+                              dtype=torch.float32)
+        y = torch.full((rows, cols), float("nan"))
+        lib.loraplex_fma_linear(x.data_ptr(), depth, packed.data_ptr(), bias.data_ptr(),
+                                y.data_ptr(), cols, rows, cols, depth, scratch.data_ptr(),
+                                threads)
+        ref = x.double() @ w.double().t() + bias.double()
+        bound = (depth + 8) * U * (x.double().abs() @ w.double().abs().t() + bias.double().abs())
+        assert bool(((y.double() - ref).abs() <= bound + 1e-30).all()), (rows, depth, cols)
