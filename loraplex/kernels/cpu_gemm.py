@@ -12,10 +12,10 @@ FMA: plain float32 FMAs, 6 x 16 register tiles on AVX2 (12 x 32 with AVX-512), w
 into a scratch, the next panel prefetched while a panel's row groups run: on a Zen 3 core
 1.1-1.3x oneDNN on 32 decode rows and 1.0-1.1x on prefill chunks at the benchmark Llama's and
 SmolLM2's shapes (before the scratch and the prefetch); on a Zen 5 core 1.32-1.55x on 32 rows,
-0.94-1.06x on 256-1536, 0.96-1.38x on one row. ``LORAPLEX_FMA_GEMM=auto`` (the default) turns it on only where that
-was measured (x86 with AVX2 and FMA, no AVX-512; AVX-512 on AMD's family 0x1A, Zen 5, and
-later); ``1`` on any CPU without AMX (correct everywhere: the tests run it on every machine);
-``0`` never.
+0.94-1.06x on 256-1536, 0.96-1.38x on one row. ``LORAPLEX_FMA_GEMM=auto`` (the default) turns
+it on only where that was measured (x86 with AVX2 and FMA, no AVX-512; AVX-512 on AMD's family
+0x1A, Zen 5, and later); ``1`` on any CPU without AMX (correct everywhere: the tests run it on
+every machine); ``0`` never.
 
 ``pack(weight)`` rearranges a ``[d_out, d_in]`` weight once into the chosen kernel's panel
 order (still float32: 4 bytes an element, the weight's own size; the model drops the dense
