@@ -234,8 +234,7 @@ static int64_t block_scratch(int64_t m, int64_t k, int threads) {
 int64_t loraplex_fma_scratch_elems(int64_t m, int64_t k, int threads) {
     if (m <= 0 || k <= 0)
         return 0;
-    const int64_t blocks = block_count(m, threads);
-    const int64_t copies = threads > 1 && blocks > 1 ? threads : 1;
+    const int64_t copies = threads > 1 && block_count(m, threads) > 1 ? threads : 1;
     return copies * block_scratch(m, k, threads);
 }
 
@@ -311,8 +310,8 @@ static void run_block(const float *x, int64_t ldx, const float *w, const float *
                     own = pf < wend ? (wend - pf) / 64 : 0;
                 /* one line a depth covers the share, or two (at most 2 kcc lines: a
                    panel's depth is NR floats, at most two lines) */
-                const int64_t half = own > kcc ? (own + 1) / 2 : 0;
-                const int64_t per = own > kcc ? (own + 1) / 2 : own;
+                const int64_t per = own > kcc ? (own + 1) / 2 : own;  /* lines a stream */
+                const int64_t half = own > kcc ? per : 0;  /* the second stream's offset */
                 if (own == 0)
                     pf = (const char *)(wc + p * kcc * NR);  /* in cache already */
                 const char *pf_last = pf + (per > 0 ? per - 1 : 0) * 64;
