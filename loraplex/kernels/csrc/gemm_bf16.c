@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "bf16_pairs.h"
+#include "cpu_id.h"
 
 #define MR 4    /* rows of a register tile */
 #define NR 6    /* 16-column panels of a register tile */
@@ -67,7 +68,7 @@ void loraplex_bf16_pack(const uint16_t *w, int64_t ws, int64_t d_out, int64_t d_
  * the row's pair kp as a 32-bit value. */
 #define TILE_LOOP(FULL, K0, K1, PAIR)                                                      \
     for (int64_t kp = (K0); kp < (K1); kp++) {                                             \
-        for (pf_acc += pf_lines; pf_acc >= pf_steps && pf_at < pf_lines; pf_acc -= pf_steps) \
+        for (pf_acc += pf_num; pf_acc >= pf_steps && pf_at < pf_lines; pf_acc -= pf_steps) \
             __builtin_prefetch(pf + 64 * pf_at++, 0, 2);                                   \
         __m512i bv[NR];                                                                    \
         for (int c = 0; c < (FULL ? NR : np); c++)                                         \
@@ -86,13 +87,16 @@ static void task(const uint16_t *x, int64_t xs, const uint16_t *packed, const ui
                  uint16_t *y, int64_t ys, int64_t m0, int64_t m1, int64_t p0, int np,
                  int64_t d_out, int64_t d_in, float *buf, const char *pf, int64_t pf_lines) {
     const int64_t kps = (d_in + 1) / 2;
-    /* pf's lines spread evenly over every depth pair the task runs (its row groups' passes),
-     * pf_lines per pf_steps, so the last one goes out as the task ends: two lines a pair until
-     * done (a burst over the first row groups, then none) left the next task's first pass
-     * waiting on memory; spread, 32 rows of SmolLM2's shapes ran 1.16-1.26x faster on a Zen 5
-     * core, weights out of cache (finishing at 3/4 of the task or 5/4: slower) */
+    /* pf_num of pf's lines for every pf_steps depth pairs run. On AMD's family 0x1A (Zen 5)
+     * spread evenly over every depth pair of the task (its row groups' passes), so that the
+     * last goes out as the task ends: two lines a pair until done (a burst over the first row
+     * groups, then none) left the next task's first pass waiting on memory; spread, 16-64 rows
+     * ran 1.05-1.29x faster on a Zen 5 core, weights out of cache (finishing at 3/4 of the
+     * task or 5/4: slower). Elsewhere two a pair, as measured on Zen 4 (see the caller). */
+    const int spread = amd_family() >= 0x1A;
     int64_t pf_at = 0, pf_acc = 0;
-    const int64_t pf_steps = (m1 - m0 + MR - 1) / MR * kps;
+    const int64_t pf_num = spread ? pf_lines : 2;
+    const int64_t pf_steps = spread ? (m1 - m0 + MR - 1) / MR * kps : 1;
     const int64_t chunks = (kps + KC - 1) / KC, per = (kps + chunks - 1) / chunks;
     const uint16_t *b = packed + p0 * kps * 32;
     for (int64_t k0 = 0; k0 < kps; k0 += per) {
