@@ -15,7 +15,8 @@
  * of x. Tiles of MR rows x NR panels keep MR * NR float32 accumulators in registers (4 x 6:
  * 24 of AVX-512's 32, the rest for the 6 weight vectors); depth in chunks of KC pairs (the
  * panels' chunk stays in L2 for every row of a group of MC rows), partial sums of a chunk
- * kept in a per-thread buffer. Tasks (NR panels x MC rows) split between threads.
+ * kept in a per-thread buffer. Tasks (NR panels x MC rows), a panel group's row blocks in turn,
+ * split between threads in runs of groups.
  *
  * Measured against oneDNN's prepacked bf16 GEMM (torch.ops.mkldnn._linear_pointwise) at
  * SmolLM2's shapes on a Zen 4 core: 1.3-2.2x on one row, 1.1-1.2x on 32 (a decode step),
@@ -170,19 +171,26 @@ int loraplex_bf16_linear(const uint16_t *x, int64_t xs, const uint16_t *packed,
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             if (buf == NULL) continue;
-            const int64_t g = t % groups, m0 = t / groups * MC;
+            /* a panel group's row blocks one after another (its panels stay in L2 across
+             * them) and each thread a run of groups: with the row blocks outermost every
+             * thread read every weight, once per row block (the lm_head's 57 MB from memory
+             * 24 times at 1536 rows), and two row blocks of unequal size split the threads
+             * unevenly: 1.0-1.14x at 100-1536 rows on one Zen 5 core, 1.26-1.40x at 100 rows
+             * on two */
+            const int64_t g = t / row_groups, m0 = t % row_groups * MC;
             const int64_t m1 = m0 + MC < rows ? m0 + MC : rows;
             const int np = panels - g * NR < NR ? (int)(panels - g * NR) : NR;
             /* Calls of one row block (decode batches) read each panel group once, from
              * memory: the next task's panels are fetched while this one runs (the thread's
              * next under the static schedule). On a Zen 4 core, weights out of cache, 32 rows:
              * 1.01-1.10x at SmolLM2's shapes, 1.05-1.11x with the weights on huge pages
-             * (docs/benchmarks.md, "Zen 4, fourth visit"). Longer calls reuse each group for
-             * many row blocks out of L3: 0.97-0.99x there, so not. */
+             * (docs/benchmarks.md, "Zen 4, fourth visit"). Longer calls read a group's panels
+             * for each of its row blocks in turn, from L2 after the first (a prefetch of the
+             * next task was 0.97-0.99x there on Zen 4, when the row blocks were outermost). */
             const char *pf = NULL;
             int64_t pf_lines = 0;
             if (rows <= MC && t + 1 < tasks) {
-                const int64_t g1 = (t + 1) % groups, kps = (d_in + 1) / 2;
+                const int64_t g1 = g + 1, kps = (d_in + 1) / 2;  /* one row block: t + 1 */
                 pf = (const char *)(packed + g1 * NR * kps * 32);
                 pf_lines = (panels - g1 * NR < NR ? panels - g1 * NR : NR) * kps;
             }
