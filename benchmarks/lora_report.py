@@ -77,9 +77,13 @@ def summarize(system: str, measures: Sequence[Measure], num_requests: int) -> di
     out = {"e2e_tok_s": e2e, "e2e_median": median(e2e), "e2e_cpu_tok_s": e2e_cpu,
            "e2e_cpu_median": median(e2e_cpu), "wall_s": [r.wall_s for r in runs],
            "cpu_s": [m.cpu_s for m in measures], "load": [m.load for m in measures]}
-    if system in VLLM_SYSTEMS:  # one LLM.generate per run: no per-step timings
-        out.update(decode_median=float("nan"), decode_cpu_median=float("nan"),
-                   decode_batch=num_requests)
+    if system in VLLM_SYSTEMS:
+        # one LLM.generate per run; its decode-only steps timed on the engine core's clock
+        # (vllm_driver.StepLog), which has no per-step CPU time
+        engine_runs = [r for r in runs if isinstance(r, EngineRun)]
+        rates = [x for r in engine_runs for x in r.decode_step_rates(num_requests)]
+        out.update(decode_median=median(rates), decode_cpu_median=float("nan"),
+                   decode_batch=num_requests, num_decode_steps=len(rates))
         return out
     if system.startswith("loraplex"):
         engine_runs = [r for r in runs if isinstance(r, EngineRun)]
@@ -158,6 +162,9 @@ def ratios(rec: Mapping[str, Sequence[Measure]], row: Mapping[str, dict]) -> dic
             out[key + "_e2e_cpu"] = median([ratio(a.run.num_output_tokens / a.cpu_s,
                                                   b.run.num_output_tokens / b.cpu_s)
                                             for a, b in pairs])
+            # decode-only steps, by the wall clock (vLLM's engine core: no per-step CPU time)
+            out[key + "_decode"] = ratio(row[mine]["decode_median"],
+                                         row[theirs]["decode_median"])
     for system, key in (("loraplex", "lora"), ("peft-grouped", "grouped")):
         if system in row and "peft-mixed" in row:
             for metric, name in METRICS.items():
@@ -300,6 +307,8 @@ def print_table(args: argparse.Namespace, report: dict) -> None:
                                     ("grouped_vs_peft_mixed", "grouped/mixed"))
                  if key + "_e2e" in q]
         parts += [f"{label} {q[key + '_e2e']:.2f}x ({q[key + '_e2e_cpu']:.2f}x)"
+                  + (f", decode {q[key + '_decode']:.2f}x"
+                     if q.get(key + "_decode", float("nan")) == q.get(key + "_decode") else "")
                   for key, label in (("lora_vs_vllm", "loraplex/vllm"),
                                      ("lora_vs_vllm_base", "loraplex/vllm-base"),
                                      ("base_vs_vllm_base", "base/vllm-base"))

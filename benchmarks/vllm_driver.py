@@ -7,12 +7,19 @@ safetensors loraplex reads) once, then answers one JSON request per stdin line w
 line on stdout, until stdin closes::
 
     -> {"prompts": [[id, ...], ...], "max_tokens": 32, "adapters": [path | null, ...]}
-    <- {"token_ids": [[id, ...], ...], "wall_s": 1.9, "cpu_s": 3.7}
+    <- {"token_ids": [[id, ...], ...], "wall_s": 1.9, "cpu_s": 3.7, "steps": [[0.05, 0], ...]}
 
 Every request goes to one ``LLM.generate`` call (greedy, EOS ignored, token-id prompts, no
 tokenizer). ``cpu_s`` is the CPU time of the driver's whole process tree over the call (vLLM V1
 runs its engine core in a child process). Adapters are PEFT folders (``save_peft_dir``), one
 ``LoRARequest`` id per distinct path.
+
+``steps``: one ``[seconds, num_decodes]`` per engine step, read off the engine core's outputs
+as ``LLM.generate`` collects them (``StepLog``): a step's seconds are the time between the
+engine core's timestamps of its outputs and the previous step's (the call's start for the
+first), and ``num_decodes`` is the number of requests that decoded one token in it where every
+unfinished request did and none was still waiting for its first token, else 0 (loraplex's
+decode-only steps, ``common.StepTiming``). The engine core's process has no per-step CPU time.
 
 vLLM CPU bug worked around (0.32.0): a request *without* an adapter batched with LoRA requests
 gets the last LoRA slot's adapter (the "no LoRA" index -1 wraps). The benchmark therefore gives
@@ -46,6 +53,35 @@ def tree_cpu_s() -> float:
     return total
 
 
+class StepLog:
+    """The steps of one call, from the engine core's outputs (``EngineCoreOutputs``: ``outputs``
+    of ``request_id`` / ``new_token_ids`` / ``finish_reason``, ``timestamp`` on the monotonic
+    clock, which is the same in every process of the machine)."""
+
+    def __init__(self, num_requests: int, start: float) -> None:
+        self.waiting = num_requests  # no token yet
+        self.running = 0  # a token, not finished
+        self.started: set[str] = set()
+        self.last = start
+        self.steps: list[list[float]] = []
+
+    def record(self, outs) -> None:
+        outputs = list(outs.outputs)
+        decode_only = (self.waiting == 0 and self.running > 0 and len(outputs) == self.running
+                       and all(len(o.new_token_ids) == 1 and o.request_id in self.started
+                               for o in outputs))
+        for o in outputs:
+            if o.request_id not in self.started and o.new_token_ids:
+                self.started.add(o.request_id)
+                self.waiting -= 1
+                self.running += 1
+            if o.finish_reason is not None and o.request_id in self.started:
+                self.running -= 1
+        self.steps.append([max(outs.timestamp - self.last, 0.0),
+                           len(outputs) if decode_only else 0])
+        self.last = outs.timestamp
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
@@ -75,6 +111,17 @@ def main() -> None:
 
     print(json.dumps({"ready": True, "load_s": time.perf_counter() - t0,
                       "vllm": vllm.__version__}), flush=True)
+    core = llm.llm_engine.engine_core
+    get_output = core.get_output
+    log: StepLog | None = None
+
+    def logged_output():  # one engine step's outputs (LLMEngine.step calls it once a step)
+        outs = get_output()
+        if log is not None and (outs.outputs or outs.scheduler_stats is not None):
+            log.record(outs)
+        return outs
+
+    core.get_output = logged_output
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -92,10 +139,12 @@ def main() -> None:
         if lora:
             loras = [LoRARequest(path, ids.setdefault(path, len(ids) + 1), path) for path in paths]
         cpu0, w0 = tree_cpu_s(), time.perf_counter()
+        log = StepLog(len(prompts), time.monotonic())
         outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
         wall, cpu = time.perf_counter() - w0, tree_cpu_s() - cpu0
         print(json.dumps({"token_ids": [list(o.outputs[0].token_ids) for o in outs],
-                          "wall_s": wall, "cpu_s": cpu}), flush=True)
+                          "wall_s": wall, "cpu_s": cpu, "steps": log.steps}), flush=True)
+        log = None
 
 
 if __name__ == "__main__":

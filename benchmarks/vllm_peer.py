@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import psutil
-from common import EngineRun
+from common import EngineRun, StepTiming
 
 from loraplex.loadtest.baseline import BaselineRequest
 
@@ -152,8 +152,10 @@ class VllmPeer:
         self.proc.stdin.flush()
         out = self._read()
         tokens = {r.request_id: t for r, t in zip(requests, out["token_ids"])}
+        # the engine core's steps (vllm_driver.StepLog); no per-step CPU time there
+        steps = [StepTiming(float(sec), float("nan"), int(n)) for sec, n in out.get("steps", [])]
         self.wait_idle()
-        return EngineRun(tokens, out["wall_s"]), out["cpu_s"]
+        return EngineRun(tokens, out["wall_s"], steps), out["cpu_s"]
 
     def wait_idle(self, window_s: float = 0.5, busy: float = 0.05, limit_s: float = 20.0
                   ) -> float:
