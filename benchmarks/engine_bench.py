@@ -337,8 +337,8 @@ def print_table(args: argparse.Namespace, report: dict) -> None:
           "(weights + KV read per step) and from GEMM throughput; /cpu: the same per CPU "
           "second of the process (vllm-base: of its driver's process tree, engine core and "
           "worker), which other jobs on the machine inflate far less (with one thread; with "
-          "more it counts threads waiting on each other); vllm-base has no decode column: "
-          "each run is one LLM.generate)")
+          "more it counts threads waiting on each other); vllm-base's decode: its engine core's "
+          "decode-only steps, timed from their outputs' timestamps, no CPU column)")
 
 
 def start_peers(args: argparse.Namespace, model_path: Path) -> dict[str, VllmPeer]:
