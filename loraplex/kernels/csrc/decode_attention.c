@@ -275,6 +275,16 @@ INLINE void attend(const void *restrict pool, const int32_t *restrict pages, int
                                                   bf16) * scale;
         }
         const int64_t nw = (n + VW - 1) / VW; /* chunks of VW scores; lanes past n are -inf */
+        /* an MHA model's V page (G == 1) on Zen 5 (v_spread): the softmax of every head
+         * first, then the rows in address order, each row adding into every head's sums (one
+         * head's rows are D elements of every stride bytes: read head by head, the page was
+         * many short strided streams): 1.14-1.16x in float32 at 16/16 heads on one Zen 5
+         * core, the same bits (each sum still acc * corr, then the rows in order; bf16 at D 64
+         * and 128 takes attend_pairs, where this does not run). With G
+         * query heads a KV head (GQA) the sums' loads and stores per row cost more than that
+         * saved: 0.79x at SmolLM2's 9/3. D 64 and 128 only, accumulate_fixed's (a bf16 row's
+         * chunks in loadc's paired order there). */
+        const int rows_order = v_spread && G == 1 && (D == 64 || D == 128);
         for (int j = 0, h = 0; h < nh; h++)
             for (int g = 0; g < G; g++, j++) {
                 float *sj = scores + j * P16;
@@ -296,6 +306,11 @@ INLINE void attend(const void *restrict pool, const int32_t *restrict pages, int
                 const float sum = hsumw(vs);
                 l[j] = l[j] * corr + sum;
                 m[j] = mt;
+                if (rows_order) { /* the rows below */
+                    float *aj = acc + (int64_t)j * D;
+                    for (int e = 0; e < D; e += VW) storew(aj + e, loadw(aj + e) * corr);
+                    continue;
+                }
                 /* v_spread: the next page's V rows here, a share a query head, so that the
                  * page's second pass (its V) has the next page in flight too */
                 if (v_spread)
@@ -304,6 +319,19 @@ INLINE void attend(const void *restrict pool, const int32_t *restrict pages, int
                                      into_l1);
                 accumulate_rows(acc + (int64_t)j * D, corr, v + (int64_t)h * D * esize, n,
                                 stride, D, bf16, sj);
+            }
+        if (rows_order) /* acc_h += w_h[o] * V row o's head h, row by row (the next page's V
+                         * rows prefetched alongside) */
+            for (int64_t o = 0; o < n; o++) {
+                if (o < next)
+                    prefetch_row(k_next + half_bytes + o * stride, block_bytes, esize, into_l1);
+                for (int h = 0; h < nh; h++) {
+                    const char *vh = v + o * stride + (int64_t)h * D * esize;
+                    const float wh = scores[h * P16 + o];
+                    float *ah = acc + (int64_t)h * D;
+                    for (int c = 0; c < D / VW; c++)
+                        storew(ah + VW * c, loadw(ah + VW * c) + wh * loadc(vh, c, bf16));
+                }
             }
     }
     for (int j = 0; j < nq; j++) {
