@@ -414,7 +414,7 @@ INLINE void attend_pairs(const void *restrict pool, const int32_t *restrict page
                          int64_t len, int h0, int nh, int Hkv, int G, const int D, int P,
                          float scale, const uint16_t *restrict qb, float *restrict w,
                          float *restrict corr, float *restrict ml, float *restrict acc,
-                         const char *nx_first, int64_t nx_rows) {
+                         const char *nx_first, int64_t nx_rows, int head_ahead) {
     const int NP = D / 32, NV = D / 16, GB = 16 / NV; /* heads whose sums fit in registers */
     const int64_t stride = (int64_t)Hkv * D * 2;
     const int64_t half_bytes = (int64_t)P * stride, block_bytes = (int64_t)nh * D * 2;
@@ -445,6 +445,15 @@ INLINE void attend_pairs(const void *restrict pool, const int32_t *restrict page
             const char *k = k_page + o0 * stride, *v = k + half_bytes;
             for (int h = 0; h < nh; h++) {
                 const int j0 = h * G;
+                /* head_ahead: the next head's lines of this block's K and V rows into L1 (its
+                 * rows are 2 D bytes of every stride: strided short streams out of L2) */
+                if (head_ahead && h + 1 < nh)
+                    for (int64_t o = 0; o < n; o++)
+                        for (int64_t b = 0; b < 2 * D; b += 64) {
+                            const int64_t at = o * stride + (int64_t)(h + 1) * D * 2 + b;
+                            __builtin_prefetch(k + at, 0, 3);
+                            __builtin_prefetch(v + at, 0, 3);
+                        }
                 for (int g = 0; g < G; g++) {
                     const int j = j0 + g;
                     /* the next page's rows o0 .. pf_end - 1 spread over the block's nq query
@@ -538,7 +547,7 @@ INLINE void task_body(const Call *c, int64_t task, int64_t next_task, float *buf
         /* the weights in scores (G * 16 floats of nq * P16), the rescalings in qf */
         attend_pairs(c->pool, c->page_table + c->table_rows[i] * c->table_stride, len, h0, nh,
                      c->Hkv, c->G, D, c->P, c->scale, (const uint16_t *)qr, scores, qf, ml,
-                     acc, nx_first, nx_rows);
+                     acc, nx_first, nx_rows, c->v_spread && c->G == 1);
     } else
 #endif
     {
