@@ -107,10 +107,12 @@ static int rows_into_l1(void) { return amd_family() >= 0x1A; }
 
 /* Where attend() (float32 pages, and bf16 ones attend_pairs does not take) prefetches the next
  * page's V rows: during the current page's scores, with its K rows (every other CPU, as
- * measured on Zen 4), or, on AMD's family 0x1A (Zen 5), spread over its second pass, the query heads' softmax and weighted V sums (at SmolLM2's 9/3
- * heads 1.33x on one Zen 5 core, 1.10x in CPU time on two; the MHA 16/16 model 1.02x): during
- * the scores alone the next page was all asked for by the end of the first pass, and the second
- * pass had nothing in flight. bf16 pages already spread theirs over the query heads. */
+ * measured on Zen 4), or, on AMD's family 0x1A (Zen 5), spread over its second pass, the query
+ * heads' softmax and weighted V sums (SmolLM2's 9/3 heads 1.33-1.38x on one Zen 5 core, 1.10x
+ * in CPU time on two; the MHA 16/16 model 1.02x): during the scores alone the next page was all
+ * asked for by the end of the first pass, and the second pass had nothing in flight. bf16 pages
+ * already spread theirs over the query heads. The same flag turns on, for MHA models, attend()'s
+ * V page in row order and attend_pairs' next-head prefetch (both measured on Zen 5 only). */
 static int v_rows_spread(void) { return amd_family() >= 0x1A; }
 
 /* The next rows' prefetch (see rows_into_l1 for float32 rows of 4 KiB or more). */
@@ -279,11 +281,11 @@ INLINE void attend(const void *restrict pool, const int32_t *restrict pages, int
          * first, then the rows in address order, each row adding into every head's sums (one
          * head's rows are D elements of every stride bytes: read head by head, the page was
          * many short strided streams): 1.14-1.16x in float32 at 16/16 heads on one Zen 5
-         * core, the same bits (each sum still acc * corr, then the rows in order; bf16 at D 64
-         * and 128 takes attend_pairs, where this does not run). With G
+         * core, the same bits (each sum still acc * corr, then the rows in order). With G
          * query heads a KV head (GQA) the sums' loads and stores per row cost more than that
          * saved: 0.79x at SmolLM2's 9/3. D 64 and 128 only, accumulate_fixed's (a bf16 row's
-         * chunks in loadc's paired order there). */
+         * chunks in loadc's paired order there; bf16 at those sizes mostly takes attend_pairs,
+         * where this does not run). */
         const int rows_order = v_spread && G == 1 && (D == 64 || D == 128);
         for (int j = 0, h = 0; h < nh; h++)
             for (int g = 0; g < G; g++, j++) {
