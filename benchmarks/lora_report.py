@@ -7,6 +7,7 @@ runs a model.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -308,7 +309,7 @@ def print_table(args: argparse.Namespace, report: dict) -> None:
                  if key + "_e2e" in q]
         parts += [f"{label} {q[key + '_e2e']:.2f}x ({q[key + '_e2e_cpu']:.2f}x)"
                   + (f", decode {q[key + '_decode']:.2f}x"
-                     if q.get(key + "_decode", float("nan")) == q.get(key + "_decode") else "")
+                     if math.isfinite(q.get(key + "_decode", math.nan)) else "")
                   for key, label in (("lora_vs_vllm", "loraplex/vllm"),
                                      ("lora_vs_vllm_base", "loraplex/vllm-base"),
                                      ("base_vs_vllm_base", "base/vllm-base"))
