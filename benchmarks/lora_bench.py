@@ -45,7 +45,9 @@ that would end after ``--budget-min``; the output says what was skipped and why.
 ``--model smollm2`` runs it on the real SmolLM2-135M-Instruct (30 layers x 576; the adapters
 stay synthetic, fitted to its shapes). ``--profile`` adds two passes with
 ``step_profile.StepProfiler`` attached, at the largest N and without adapters, and prints where
-a step's time goes (GEMMs, attention, LoRA, sampling, scheduling, ...).
+a step's time goes (GEMMs, attention, LoRA, sampling, scheduling, ...); with ``vllm-base``
+among the systems, one more pass runs vLLM's base engine under torch's profiler
+(``vllm_profile.py``) and prints its steps by the same categories.
 
 Usage: ``OMP_NUM_THREADS=2 python benchmarks/lora_bench.py --out bench-out/lora``;
 ``--ns 1 64 --num-requests 16 --repeats 1 --num-layers 2`` for a quick run.
@@ -90,7 +92,13 @@ from lora_report import (  # noqa: E402
     build_report,
     print_table,
 )
-from step_profile import breakdowns_json, call_overhead_s, profile_engine, profile_table  # noqa: E402,E501
+from step_profile import (  # noqa: E402
+    breakdowns_from_json,
+    breakdowns_json,
+    call_overhead_s,
+    profile_engine,
+    profile_table,
+)
 from vllm_peer import (  # noqa: E402
     PEER_VENV,
     VllmPeer,
@@ -408,11 +416,21 @@ def main(argv: list[str] | None = None) -> None:
     profiles = profile_passes(engine, family, requests, traces) if args.profile else {}
     if profiles:
         report["profile"] = {name: breakdowns_json(b) for name, b in profiles.items()}
+    peer_profile = (vllm_profile_pass(args, model_path, requests)
+                    if args.profile and "vllm-base" in args.systems else None)
+    if peer_profile is not None:
+        report.setdefault("profile", {})["vllm-base"] = peer_profile
     print_table(args, report)
     overhead = call_overhead_s()
     for name, breakdowns in profiles.items():
         print(f"\nloraplex step profile, {name} (a separate pass, {len(requests)} requests):")
         print("\n".join(profile_table(breakdowns, overhead)))
+    if peer_profile is not None:
+        print(f"\nvLLM base step profile (a separate pass, {len(requests)} requests, torch's "
+              f"profiler: {peer_profile['profiled_wall_s']:.2f} s against "
+              f"{peer_profile['wall_s']:.2f} s unprofiled):")
+        print("\n".join(profile_table(breakdowns_from_json(peer_profile["profile"]),
+                                       peer_profile["overhead_s"], "profiled events")))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / "lora_bench.json"
@@ -434,6 +452,24 @@ def start_peers(args: argparse.Namespace, model_path: Path, requests: Sequence[B
     if "vllm-base" in args.systems:
         peers["vllm-base"] = VllmPeer(model_path, args.dtype, **kwargs)
     return {name: peer.wait_ready() for name, peer in peers.items()}
+
+
+def vllm_profile_pass(args: argparse.Namespace, model_path: Path,
+                      requests: Sequence[BaselineRequest]) -> dict:
+    """vLLM's base engine on the same requests, in a driver of its own whose engine core runs
+    in its process, under torch's profiler (``vllm_profile``): where its steps' time goes, by
+    loraplex's categories. Started after the timed runs, as loraplex's profile passes."""
+    kwargs = engine_kwargs(len(requests), args.prompt_len[1] + args.max_tokens,
+                           args.max_num_batched_tokens, args.threads)
+    peer = VllmPeer(model_path, args.dtype, profile=True, **kwargs)
+    try:
+        peer.warm_up(requests)
+        out = peer.run_profile(requests)
+    finally:
+        peer.close()
+    # what one profiled event costs: the two calls' difference over the profiled events
+    out["overhead_s"] = max(out["profiled_wall_s"] - out["wall_s"], 0.0) / max(out["events"], 1)
+    return out
 
 
 def profile_passes(engine: Engine | None, family: SyntheticAdapters,

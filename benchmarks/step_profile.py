@@ -170,8 +170,10 @@ def call_overhead_s(repeats: int = 20000) -> float:
     return max(time.perf_counter() - t0 - plain, 0.0) / repeats
 
 
-def profile_table(breakdowns: dict[str, StepBreakdown], overhead_s: float) -> list[str]:
-    """Lines of a table: ms per step and share of the step, per category and step kind."""
+def profile_table(breakdowns: dict[str, StepBreakdown], overhead_s: float,
+                  what: str = "timed calls") -> list[str]:
+    """Lines of a table: ms per step and share of the step, per category and step kind
+    (``what``: what the calls column counts, each costing ``overhead_s``)."""
     kinds = [k for k in ("decode", "mixed") if k in breakdowns]
     clock = breakdowns[kinds[0]].clock if kinds else "wall"
     head = f"{clock + ' time':14}" + "".join(f" {k + ' ms/step':>16} {'%':>6} {'calls':>6}"
@@ -193,7 +195,7 @@ def profile_table(breakdowns: dict[str, StepBreakdown], overhead_s: float) -> li
     for k in kinds:
         b = breakdowns[k]
         calls = sum(b.calls.values()) / b.num_steps
-        lines.append(f"{k}: {calls:.0f} timed calls a step add ~{1000 * calls * overhead_s:.2f} "
+        lines.append(f"{k}: {calls:.0f} {what} a step add ~{1000 * calls * overhead_s:.2f} "
                      f"ms ({overhead_s * 1e6:.2f} us each), included above")
     return lines
 
@@ -205,6 +207,20 @@ def breakdowns_json(breakdowns: dict[str, StepBreakdown]) -> dict:
                                 for c in CATEGORIES},
                 "calls_per_step": {c: b.calls.get(c, 0) / b.num_steps for c in CATEGORIES}}
             for k, b in breakdowns.items()}
+
+
+def breakdowns_from_json(data: dict) -> dict[str, StepBreakdown]:
+    """``breakdowns_json``'s output (or the vLLM peer's, ``vllm_profile.breakdowns``) back as
+    breakdowns, for ``profile_table``."""
+    out = {}
+    for kind, d in data.items():
+        n = int(d["num_steps"])
+        b = StepBreakdown(num_steps=n, clock=d.get("clock", "wall"))
+        for c in CATEGORIES:
+            b.seconds[c] = d["ms_per_step"].get(c, 0.0) * n / 1000
+            b.calls[c] = round(d["calls_per_step"].get(c, 0.0) * n)
+        out[kind] = b
+    return out
 
 
 def profile_engine(engine: Engine,

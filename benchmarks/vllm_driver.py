@@ -21,6 +21,11 @@ first), and ``num_decodes`` is the number of requests that decoded one token in 
 unfinished request did and none was still waiting for its first token, else 0 (loraplex's
 decode-only steps, ``common.StepTiming``). The engine core's process has no per-step CPU time.
 
+``--profile`` (``lora_bench.py --profile``): the engine core runs in this process and a request
+with ``"profile": true`` runs its call twice, once plain and once under ``torch.profiler``,
+and answers ``"profile"``: where each decode and mixed step's time went (``vllm_profile``),
+with ``"profiled_wall_s"`` beside the plain ``"wall_s"``.
+
 vLLM CPU bug worked around (0.32.0): a request *without* an adapter batched with LoRA requests
 gets the last LoRA slot's adapter (the "no LoRA" index -1 wraps). The benchmark therefore gives
 every request of a LoRA run an adapter, and runs base-model requests in a driver started
@@ -34,8 +39,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from contextlib import nullcontext
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_profile import LORA_SCOPE, SCHEDULE_SCOPE, STEP_SCOPE, breakdowns  # noqa: E402
 
 
 def tree_cpu_s() -> float:
@@ -92,7 +103,12 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--block-size", type=int, default=32, help="CPU attention: a multiple of 32")
+    p.add_argument("--profile", action="store_true",
+                   help="the engine core in this process, for requests that ask for a profile")
     args = p.parse_args()
+    if args.profile:  # before vLLM reads its environment
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -122,6 +138,9 @@ def main() -> None:
         return outs
 
     core.get_output = logged_output
+    kinds: list[str | None] | None = None  # per engine step of a profiled call
+    if args.profile:
+        scope_steps(llm, lambda: log, lambda: kinds)
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -142,9 +161,56 @@ def main() -> None:
         log = StepLog(len(prompts), time.monotonic())
         outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
         wall, cpu = time.perf_counter() - w0, tree_cpu_s() - cpu0
-        print(json.dumps({"token_ids": [list(o.outputs[0].token_ids) for o in outs],
-                          "wall_s": wall, "cpu_s": cpu, "steps": log.steps}), flush=True)
+        reply = {"token_ids": [list(o.outputs[0].token_ids) for o in outs],
+                 "wall_s": wall, "cpu_s": cpu, "steps": log.steps}
+        if req.get("profile"):
+            if not args.profile:
+                raise ValueError("profile: start the driver with --profile")
+            import torch.profiler
+
+            log, kinds = StepLog(len(prompts), time.monotonic()), []
+            w0 = time.perf_counter()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+            reply["profiled_wall_s"] = time.perf_counter() - w0
+            reply["profile"] = breakdowns(prof.events(), kinds)
+            kinds = None
+        print(json.dumps(reply), flush=True)
         log = None
+
+
+def scope_steps(llm, current_log, current_kinds) -> None:
+    """Profiler scopes around each engine step (``peer: step N``, N counting the steps of
+    the profiled call, whose kinds go to ``current_kinds()``), the scheduler and
+    ``PunicaWrapperCPU``'s LoRA calls. ``LLM.generate`` calls ``llm_engine.step`` once a step;
+    the step's outputs reach ``current_log()`` (``StepLog``) inside it."""
+    from torch.profiler import record_function
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+    def scoped(fn, name):
+        def wrapper(*a, **kw):
+            with record_function(name) if current_kinds() is not None else nullcontext():
+                return fn(*a, **kw)
+        return wrapper
+
+    for name in ("add_lora_linear", "add_lora_logits", "add_lora_embedding"):
+        setattr(PunicaWrapperCPU, name, scoped(getattr(PunicaWrapperCPU, name), LORA_SCOPE))
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler  # InprocClient's EngineCore
+    scheduler.schedule = scoped(scheduler.schedule, SCHEDULE_SCOPE)
+    step = llm.llm_engine.step
+
+    def scoped_step():
+        kinds, log = current_kinds(), current_log()
+        if kinds is None or log is None:
+            return step()
+        before = len(log.steps)
+        with record_function(f"{STEP_SCOPE}{len(kinds)}"):
+            out = step()
+        kinds.append(None if len(log.steps) == before
+                     else "decode" if log.steps[-1][1] > 0 else "mixed")
+        return out
+
+    llm.llm_engine.step = scoped_step
 
 
 if __name__ == "__main__":

@@ -105,12 +105,12 @@ class VllmPeer:
 
     def __init__(self, model: Path, dtype: str, max_lora_rank: int = 0, max_loras: int = 1,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 max_model_len: int = 512, threads: int = 2) -> None:
+                 max_model_len: int = 512, threads: int = 2, profile: bool = False) -> None:
         cmd = [str(peer_python()), str(DRIVER), "--model", str(model), "--dtype", dtype,
                "--max-lora-rank", str(max_lora_rank), "--max-loras", str(max_loras),
                "--max-num-seqs", str(max_num_seqs),
                "--max-num-batched-tokens", str(max_num_batched_tokens),
-               "--max-model-len", str(max_model_len)]
+               "--max-model-len", str(max_model_len)] + (["--profile"] if profile else [])
         env = {**os.environ, **VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": threads_bind(threads)}
         env.pop("PYTHONPATH", None)
         self.lora = max_lora_rank > 0
@@ -141,21 +141,39 @@ class VllmPeer:
     def run(self, requests: Sequence[BaselineRequest],
             adapters: Sequence[Path] | None = None) -> tuple[EngineRun, float]:
         """Every request at once; (the run, CPU seconds of the driver's process tree)."""
-        self.wait_ready()
-        if self.lora and adapters is None:
-            raise ValueError("adapters: vLLM's LoRA engine needs an adapter per request")
-        msg = {"prompts": [r.prompt_token_ids for r in requests],
-               "max_tokens": max(r.max_tokens for r in requests),
-               "adapters": [str(p) for p in adapters] if adapters is not None else None}
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(msg) + "\n")
-        self.proc.stdin.flush()
-        out = self._read()
+        out = self._call(requests, adapters)
         tokens = {r.request_id: t for r, t in zip(requests, out["token_ids"])}
         # the engine core's steps (vllm_driver.StepLog); no per-step CPU time there
         steps = [StepTiming(float(sec), float("nan"), int(n)) for sec, n in out.get("steps", [])]
         self.wait_idle()
         return EngineRun(tokens, out["wall_s"], steps), out["cpu_s"]
+
+    def run_profile(self, requests: Sequence[BaselineRequest],
+                    adapters: Sequence[Path] | None = None) -> dict:
+        """A driver started with ``profile=True`` runs the requests twice, plain and under
+        torch's profiler: ``{"profile": vllm_profile.breakdowns, "wall_s", "profiled_wall_s",
+        "events"}`` (events: the profiled steps' events, whose cost is the difference of the
+        two wall times)."""
+        out = self._call(requests, adapters, profile=True)
+        self.wait_idle()
+        events = sum(k["calls_per_step"][c] * k["num_steps"]
+                     for k in out["profile"].values() for c in k["calls_per_step"])
+        return {"profile": out["profile"], "wall_s": out["wall_s"],
+                "profiled_wall_s": out["profiled_wall_s"], "events": events}
+
+    def _call(self, requests: Sequence[BaselineRequest], adapters: Sequence[Path] | None,
+              **extra: object) -> dict:
+        self.wait_ready()
+        if self.lora and adapters is None:
+            raise ValueError("adapters: vLLM's LoRA engine needs an adapter per request")
+        msg = {"prompts": [r.prompt_token_ids for r in requests],
+               "max_tokens": max(r.max_tokens for r in requests),
+               "adapters": [str(p) for p in adapters] if adapters is not None else None,
+               **extra}
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
 
     def wait_idle(self, window_s: float = 0.5, busy: float = 0.05, limit_s: float = 20.0
                   ) -> float:
