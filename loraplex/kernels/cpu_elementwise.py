@@ -23,7 +23,8 @@ import torch
 
 from loraplex.kernels import native
 
-__all__ = ["add_rms_norm", "available", "rms_norm", "rope_qk", "silu_and_mul", "usable"]
+__all__ = ["add_rms_norm", "available", "rms_norm", "rope_qk", "row_argmax", "silu_and_mul",
+           "usable"]
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Below this many elements an op runs on one thread: an OpenMP fork costs more than it saves.
@@ -38,7 +39,9 @@ def _library() -> ctypes.CDLL | None:
         lib.loraplex_silu_and_mul.argtypes = [_int, _p, _p, _i64, _i64, _i64, _int]
         lib.loraplex_rope_qk.argtypes = [_int, _p, _i64, _p, _p, _p, _p, _i64, _i64, _i64, _i64,
                                          _int]
-        for fn in (lib.loraplex_add_rms_norm, lib.loraplex_silu_and_mul, lib.loraplex_rope_qk):
+        lib.loraplex_row_argmax.argtypes = [_p, _i64, _i64, _i64, _p, _p, _int]
+        for fn in (lib.loraplex_add_rms_norm, lib.loraplex_silu_and_mul, lib.loraplex_rope_qk,
+                   lib.loraplex_row_argmax):
             fn.restype = None
     return lib
 
@@ -198,3 +201,23 @@ def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: 
                          _ptr(q), _ptr(k), rows, num_heads, num_kv_heads, head_dim,
                          _threads(rows * (num_heads + num_kv_heads) * head_dim))
     return q, k
+
+
+def row_argmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each row's maximum and the first index holding it: ``torch.max(x, dim=-1)``'s values
+    and indices (a row with a NaN: maximum NaN, the index of its first NaN), about ten times
+    faster on the CPU, where torch's op runs one element at a time. None where the native path
+    does not take ``x``: not a ``[R, V]`` float32 CPU tensor with contiguous rows, ``V == 0``,
+    or no library (the caller runs ``torch.max``)."""
+    if (x.dim() != 2 or x.dtype != torch.float32 or not x.is_cpu or x.shape[1] == 0
+            or (x.stride(1) != 1 and x.shape[1] > 1)):
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    rows, n = x.shape
+    maxes = torch.empty(rows, dtype=torch.float32)
+    index = torch.empty(rows, dtype=torch.int64)
+    lib.loraplex_row_argmax(_ptr(x), x.stride(0), rows, n, _ptr(maxes), _ptr(index),
+                            _threads(x.numel()))
+    return maxes, index

