@@ -51,6 +51,7 @@ class Tokenizer:
         self.path = str(path)
         self._local = threading.local()
         tok = self.for_this_thread()
+        self._backend_decode = _plain_fast_decode(tok)
         self.eos_token_id: int | None = tok.eos_token_id
         self.has_chat_template = bool(getattr(tok, "chat_template", None))
         self.end_of_turn_id = self._end_of_turn_id() if self.has_chat_template else None
@@ -69,7 +70,11 @@ class Tokenizer:
         return list(self.for_this_thread()(text)["input_ids"])
 
     def decode(self, token_ids: list[int]) -> str:
-        return str(self.for_this_thread().decode(token_ids, skip_special_tokens=True))
+        tok = self.for_this_thread()
+        if self._backend_decode:  # the Rust decode that transformers' would call, without
+            # its per-call Python (1.8 against 3.8 us for a detokenizer's few tokens)
+            return str(tok.backend_tokenizer.decode(token_ids, skip_special_tokens=True))
+        return str(tok.decode(token_ids, skip_special_tokens=True))
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         """The token ids of ``messages`` rendered by the model's chat template, followed by
@@ -106,6 +111,23 @@ class Tokenizer:
         ids = tok(text[at + len(_SENTINEL):], add_special_tokens=False)["input_ids"]
         special = set(tok.all_special_ids) | set(tok.added_tokens_decoder)
         return int(ids[0]) if ids and ids[0] in special else None
+
+
+def _plain_fast_decode(tok: Any) -> bool:
+    """Whether ``tok.decode(ids, skip_special_tokens=True)`` is exactly its backend's decode:
+    a fast tokenizer whose class keeps transformers' own ``decode`` and ``_decode`` (which
+    only convert the ids and call the backend) and does not clean up tokenization spaces."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    except ImportError:
+        return False
+    cls = type(tok)
+    return (isinstance(tok, PreTrainedTokenizerFast)
+            and getattr(tok, "backend_tokenizer", None) is not None
+            and not getattr(tok, "clean_up_tokenization_spaces", True)
+            and cls.decode is PreTrainedTokenizerBase.decode
+            and cls._decode is PreTrainedTokenizerFast._decode)
 
 
 class Detokenizer:
