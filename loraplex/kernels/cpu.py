@@ -6,8 +6,9 @@ What makes them fast, and so less plain than the oracle: decode attention gather
 once per group of sequences and reads V in place through ``embedding_bag``, with its gather
 plan cached on the step's ``AttentionMetadata`` for every layer; prefill runs torch's fused
 SDPA with the query groups folded into the query length; LoRA runs each adapter's blocks,
-resolved once per adapter (``ModuleBlocks``), segment by segment. ``write_kv`` is the
-reference's (one indexed store is already the fast way).
+resolved once per adapter (``ModuleBlocks``), segment by segment. ``write_kv`` copies each
+token's K and V row into its slot in C (``cpu_elementwise.write_kv``; the reference's indexed
+store where that does not apply).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import NamedTuple, overload
 import torch
 import torch.nn.functional as F
 
-from loraplex.kernels import cpu_native
+from loraplex.kernels import cpu_elementwise, cpu_native, reference
 from loraplex.kernels.cpu_lora_native import (
     LayerCall,
     LayerTables,
@@ -31,10 +32,17 @@ from loraplex.kernels.cpu_lora_native import (
     short_call,
 )
 from loraplex.kernels.metadata import AttentionMetadata
-from loraplex.kernels.reference import kv_view, write_kv
+from loraplex.kernels.reference import kv_view
 
 __all__ = ["GroupBlocks", "GroupLayers", "LoraPlan", "ModuleBlocks", "SegmentBlocks",
            "lora_segments", "paged_attention", "write_kv"]
+
+
+def write_kv(kv_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor, page_size: int) -> None:
+    """``reference.write_kv`` (same semantics and arguments), natively where it applies."""
+    if not cpu_elementwise.write_kv(kv_pool, k, v, slot_mapping, page_size):
+        reference.write_kv(kv_pool, k, v, slot_mapping, page_size)
 
 
 def paged_attention(q: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetadata,

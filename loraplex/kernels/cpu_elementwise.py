@@ -24,7 +24,7 @@ import torch
 from loraplex.kernels import native
 
 __all__ = ["add_rms_norm", "available", "rms_norm", "rope_qk", "row_argmax", "silu_and_mul",
-           "usable"]
+           "usable", "write_kv"]
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Below this many elements an op runs on one thread: an OpenMP fork costs more than it saves.
@@ -40,6 +40,9 @@ def _library() -> ctypes.CDLL | None:
         lib.loraplex_rope_qk.argtypes = [_int, _p, _i64, _p, _p, _p, _p, _i64, _i64, _i64, _i64,
                                          _int]
         lib.loraplex_row_argmax.argtypes = [_p, _i64, _i64, _i64, _p, _p, _int]
+        lib.loraplex_write_kv.argtypes = [_p, _i64, _p, _i64, _p, _p, _i64, _i64, _i64, _i64,
+                                          _int]
+        lib.loraplex_write_kv.restype = _int
         for fn in (lib.loraplex_add_rms_norm, lib.loraplex_silu_and_mul, lib.loraplex_rope_qk,
                    lib.loraplex_row_argmax):
             fn.restype = None
@@ -221,3 +224,39 @@ def row_argmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     lib.loraplex_row_argmax(_ptr(x), x.stride(0), rows, n, _ptr(maxes), _ptr(index),
                             _threads(x.numel()))
     return maxes, index
+
+
+def write_kv(kv_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor, page_size: int) -> bool:
+    """``reference.write_kv`` (each token's K and V into its slot of the pool), one copy a row.
+    Returns False where the native path does not take the tensors (off the CPU, dtypes that
+    differ, a pool that is not contiguous or not ``[num_pages, 2 * P * row]``, K/V rows whose
+    heads are not contiguous, slots not a contiguous int64 vector, no library): the caller then
+    runs the reference.
+
+    Raises:
+        IndexError: a slot outside the pool (nothing written), as the reference's indexing.
+    """
+    if k.dim() != 3 or v.shape != k.shape or slot_mapping.shape != (k.shape[0],):
+        return False
+    tokens, heads, dim = k.shape
+    row = heads * dim
+    if (not (kv_pool.is_cpu and k.is_cpu and v.is_cpu and slot_mapping.is_cpu)
+            or not (kv_pool.dtype == k.dtype == v.dtype) or slot_mapping.dtype != torch.int64
+            or kv_pool.dim() != 2 or not kv_pool.is_contiguous()
+            or kv_pool.shape[1] != 2 * page_size * row or not slot_mapping.is_contiguous()
+            or any(t.stride(2) != 1 or t.stride(1) != dim for t in (k, v) if tokens and dim)):
+        return False
+    lib = _library()
+    if lib is None:
+        return False
+    if tokens == 0:
+        return True
+    size = k.element_size()
+    status = lib.loraplex_write_kv(_ptr(k), k.stride(0) * size, _ptr(v), v.stride(0) * size,
+                                   _ptr(kv_pool), _ptr(slot_mapping), tokens, row * size,
+                                   page_size, kv_pool.shape[0] * page_size,
+                                   _threads(2 * tokens * row))
+    if status != 0:
+        raise IndexError(f"write_kv: a slot outside the pool's {kv_pool.shape[0] * page_size}")
+    return True

@@ -197,3 +197,37 @@ def test_fused_group_segments_equal_each_module(pattern: str, dtype: torch.dtype
     assert not torch.equal(y, y0)
     for lo, hi in [(0, 30), (102, 110), (174, total)]:  # columns no module owns: untouched
         assert torch.equal(y[:, lo:hi], y0[:, lo:hi])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_write_kv_native_matches_reference(dtype: torch.dtype, tokens: int) -> None:
+    """``cpu.write_kv`` (one C copy a row, ``cpu_elementwise.write_kv``) stores exactly what the
+    reference's indexed store does, K and V as strided views of a fused qkv, and refuses a
+    slot outside the pool as the reference does, writing nothing."""
+    from loraplex.kernels import cpu_elementwise
+
+    if not cpu_elementwise.available():
+        pytest.skip("no C compiler: the native kernels do not build")
+    page_size, num_kv_heads, head_dim, pages = 4, 2, 24, 100
+    gen = torch.Generator().manual_seed(tokens)
+    pool = torch.randn(pages, kv_page_elems(page_size, num_kv_heads, head_dim),
+                       generator=gen).to(dtype)
+    qkv = torch.randn(tokens, 3 * num_kv_heads, head_dim, generator=gen).to(dtype)
+    k, v = qkv[:, num_kv_heads: 2 * num_kv_heads], qkv[:, 2 * num_kv_heads:]
+    slots = torch.randperm(pages * page_size, generator=gen)[:tokens]
+    expected = pool.clone()
+    reference.write_kv(expected, k, v, slots, page_size)
+    assert cpu_elementwise.write_kv(pool, k, v, slots, page_size)
+    assert torch.equal(pool, expected)
+    cpu.write_kv(pool, k.contiguous(), v, slots, page_size)  # a contiguous K too
+    assert torch.equal(pool, expected)
+    bad = slots.clone()
+    bad[-1] = pages * page_size
+    with pytest.raises(IndexError):
+        cpu.write_kv(pool, k, v, bad, page_size)
+    assert torch.equal(pool, expected)  # nothing written
+    # what it does not take, the reference then stores: int32 slots, a pool of another dtype
+    assert not cpu_elementwise.write_kv(pool, k, v, slots.int(), page_size)
+    other = torch.float64 if dtype != torch.float64 else torch.float32
+    assert not cpu_elementwise.write_kv(pool.to(other), k, v, slots, page_size)

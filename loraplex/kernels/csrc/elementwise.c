@@ -364,3 +364,23 @@ void loraplex_row_argmax(const float *x, int64_t stride, int64_t rows, int64_t n
         index[r] = at;
     }
 }
+
+/* The KV cache's store: token t's K row (row_bytes: its heads' elements, contiguous) to slot
+ * s = slots[t] of a layer's pool seen as [num_pages, 2, P, row], at [s / P, 0, s % P] and its
+ * V row at [s / P, 1, s % P] (loraplex/kernels/reference.py write_kv): one copy a row, where
+ * torch's indexed store spent ~50 us a layer on 64 tokens. Every slot is checked first: returns
+ * 1 (nothing written) when one is outside [0, num_slots), else 0. */
+int loraplex_write_kv(const char *k, int64_t k_stride, const char *v, int64_t v_stride,
+                      char *pool, const int64_t *slots, int64_t tokens, int64_t row_bytes,
+                      int64_t page_size, int64_t num_slots, int threads) {
+    for (int64_t t = 0; t < tokens; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return 1;
+#pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t page = slots[t] / page_size, off = slots[t] % page_size;
+        char *dst = pool + (page * 2 * page_size + off) * row_bytes;
+        memcpy(dst, k + t * k_stride, (size_t)row_bytes);
+        memcpy(dst + page_size * row_bytes, v + t * v_stride, (size_t)row_bytes);
+    }
+    return 0;
+}
