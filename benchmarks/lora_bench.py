@@ -46,8 +46,8 @@ that would end after ``--budget-min``; the output says what was skipped and why.
 stay synthetic, fitted to its shapes). ``--profile`` adds two passes with
 ``step_profile.StepProfiler`` attached, at the largest N and without adapters, and prints where
 a step's time goes (GEMMs, attention, LoRA, sampling, scheduling, ...); with ``vllm-base``
-among the systems, one more pass runs vLLM's base engine under torch's profiler
-(``vllm_profile.py``) and prints its steps by the same categories.
+(``vllm``) among the systems, one more pass runs vLLM's base (LoRA, at the largest N) engine
+under torch's profiler (``vllm_profile.py``) and prints its steps by the same categories.
 
 Usage: ``OMP_NUM_THREADS=2 python benchmarks/lora_bench.py --out bench-out/lora``;
 ``--ns 1 64 --num-requests 16 --repeats 1 --num-layers 2`` for a quick run.
@@ -416,21 +416,27 @@ def main(argv: list[str] | None = None) -> None:
     profiles = profile_passes(engine, family, requests, traces) if args.profile else {}
     if profiles:
         report["profile"] = {name: breakdowns_json(b) for name, b in profiles.items()}
-    peer_profile = (vllm_profile_pass(args, model_path, requests)
-                    if args.profile and "vllm-base" in args.systems else None)
-    if peer_profile is not None:
-        report.setdefault("profile", {})["vllm-base"] = peer_profile
+    # vLLM's engines profiled where they ran: base, and LoRA at the largest N
+    peer_profiles = {}
+    for system in ("vllm-base", "vllm"):
+        if args.profile and system in args.systems:
+            paths = ([dirs[adapter_name(i)] for i in traces[max(ns)]] if system == "vllm"
+                     else None)
+            peer_profiles[system] = vllm_profile_pass(args, model_path, requests, system, paths)
+    for system, peer_profile in peer_profiles.items():
+        report.setdefault("profile", {})[system] = peer_profile
     print_table(args, report)
     overhead = call_overhead_s()
     for name, breakdowns in profiles.items():
         print(f"\nloraplex step profile, {name} (a separate pass, {len(requests)} requests):")
         print("\n".join(profile_table(breakdowns, overhead)))
-    if peer_profile is not None:
-        print(f"\nvLLM base step profile (a separate pass, {len(requests)} requests, torch's "
+    for system, peer_profile in peer_profiles.items():
+        what = "base" if system == "vllm-base" else f"LoRA, N={max(ns)}"
+        print(f"\nvLLM {what} step profile (a separate pass, {len(requests)} requests, torch's "
               f"profiler: {peer_profile['profiled_wall_s']:.2f} s against "
               f"{peer_profile['wall_s']:.2f} s unprofiled):")
         print("\n".join(profile_table(breakdowns_from_json(peer_profile["profile"]),
-                                       peer_profile["overhead_s"], "profiled events")))
+                                       peer_profile["event_cost_s"], "profiled events")))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / "lora_bench.json"
@@ -455,20 +461,22 @@ def start_peers(args: argparse.Namespace, model_path: Path, requests: Sequence[B
 
 
 def vllm_profile_pass(args: argparse.Namespace, model_path: Path,
-                      requests: Sequence[BaselineRequest]) -> dict:
-    """vLLM's base engine on the same requests, in a driver of its own whose engine core runs
-    in its process, under torch's profiler (``vllm_profile``): where its steps' time goes, by
+                      requests: Sequence[BaselineRequest], system: str,
+                      adapters: Sequence[Path] | None) -> dict:
+    """vLLM's base engine (``vllm-base``) or its LoRA engine (``vllm``, each request on
+    ``adapters[i]``) on the same requests, in a driver of its own whose engine core runs in its
+    process, under torch's profiler (``vllm_profile``): where its steps' time goes, by
     loraplex's categories. Started after the timed runs, as loraplex's profile passes."""
     kwargs = engine_kwargs(len(requests), args.prompt_len[1] + args.max_tokens,
                            args.max_num_batched_tokens, args.threads)
+    if system == "vllm":
+        kwargs.update(max_lora_rank=max(RANKS), max_loras=len(set(adapters or ())))
     peer = VllmPeer(model_path, args.dtype, profile=True, **kwargs)
     try:
-        peer.warm_up(requests)
-        out = peer.run_profile(requests)
+        peer.warm_up(requests, adapters)
+        out = peer.run_profile(requests, adapters)
     finally:
         peer.close()
-    # what one profiled event costs: the two calls' difference over the profiled events
-    out["overhead_s"] = max(out["profiled_wall_s"] - out["wall_s"], 0.0) / max(out["events"], 1)
     return out
 
 

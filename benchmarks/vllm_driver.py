@@ -24,7 +24,8 @@ decode-only steps, ``common.StepTiming``). The engine core's process has no per-
 ``--profile`` (``lora_bench.py --profile``): the engine core runs in this process and a request
 with ``"profile": true`` runs its call twice, once plain and once under ``torch.profiler``,
 and answers ``"profile"``: where each decode and mixed step's time went (``vllm_profile``),
-with ``"profiled_wall_s"`` beside the plain ``"wall_s"``.
+with ``"profiled_wall_s"`` beside the plain ``"wall_s"`` and ``"event_cost_s"``, what the
+profiler adds to one recorded op.
 
 vLLM CPU bug worked around (0.32.0): a request *without* an adapter batched with LoRA requests
 gets the last LoRA slot's adapter (the "no LoRA" index -1 wraps). The benchmark therefore gives
@@ -174,9 +175,29 @@ def main() -> None:
                 llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
             reply["profiled_wall_s"] = time.perf_counter() - w0
             reply["profile"] = breakdowns(prof.events(), kinds)
+            reply["event_cost_s"] = profiler_event_cost()
             kinds = None
         print(json.dumps(reply), flush=True)
         log = None
+
+
+def profiler_event_cost(n: int = 20000) -> float:
+    """Seconds torch's profiler adds to one recorded op (a tiny ``torch.add``, timed with and
+    without the profiler): what each event in a profile's table costs."""
+    import torch
+    import torch.profiler
+
+    x = torch.zeros(1)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        torch.add(x, 1)
+    plain = time.perf_counter() - t0
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            torch.add(x, 1)
+        profiled = time.perf_counter() - t0
+    return max(profiled - plain, 0.0) / n
 
 
 def scope_steps(llm, current_log, current_kinds) -> None:

@@ -92,3 +92,11 @@ def test_breakdowns_round_trip_to_the_table() -> None:
     assert any(line.startswith("gemm") and " 0.00 " in line for line in lines)
     assert lines[-1] == ("decode: 20 profiled events a step add ~0.02 ms (1.00 us each), "
                          "included above")
+
+
+def test_profiler_event_cost() -> None:
+    """What the driver reports each profiled event to cost: positive, microseconds."""
+    import vllm_driver
+
+    cost = vllm_driver.profiler_event_cost(3000)
+    assert 0 < cost < 1e-3
