@@ -5,6 +5,9 @@ and ``rope_qk`` (q and k heads in one call) replace torch sequences of three to 
 over memory each (vLLM's CPU build fuses the same four). Each reproduces the torch code's
 roundings (llama.py's HF ``rms_norm``, ``F.silu(gate) * up``, rope.py's rotation): with one
 torch thread on an AVX2/AVX512 CPU the results are bit-identical to it (the C file says how).
+The same library holds a reduction and a copy: ``row_argmax`` (greedy sampling's maxima and
+first indices, ``torch.max(dim=-1)``'s values) and ``write_kv`` (the KV store,
+``reference.write_kv``'s semantics).
 
 ``usable(*tensors)`` says whether the native path applies: the library loaded
 (``loraplex/kernels/native.py``: not ``LORAPLEX_NATIVE_KERNELS=0``, a C compiler, a good build) and

@@ -1,5 +1,6 @@
 /* Fused elementwise ops of the Llama forward pass on CPU: RMSNorm (with the residual add),
- * SiLU(gate) * up and RoPE, each one pass over a row instead of torch's three to five.
+ * SiLU(gate) * up and RoPE, each one pass over a row instead of torch's three to five; and, at
+ * the end, greedy sampling's row argmax and the KV cache's store (a reduction and a copy).
  *
  * Every op reproduces the roundings of the torch code it replaces (llama.py, rope.py), so the
  * results are bit-identical to it with one torch thread on AVX2/AVX512 machines:
