@@ -102,16 +102,18 @@ def test_matches_reference(case: tuple[int, int, int], dtype: torch.dtype, prefi
     assert torch.equal(cpu.paged_attention(q, pool, meta, page_size, num_kv_heads, scale), out)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_heads", [16, 32])
-def test_mha_rows_of_4_kib_or_more(kv_heads: int, no_torch_decode) -> None:
-    # An MHA model's float32 rows (16 or 32 KV heads x 64: 4 or 8 KiB a token): the prefetch
-    # path chosen by the CPU (rows_into_l1: one line in four into L2, or every line into L1),
+def test_mha_rows_of_4_kib_or_more(kv_heads: int, dtype: torch.dtype, no_torch_decode) -> None:
+    # An MHA model's rows (16 or 32 KV heads x 64: 4 or 8 KiB a token in float32): the prefetch
+    # path chosen by the CPU (rows_into_l1: one line in four into L2, or every line into L1;
+    # in bf16 on AVX512-BF16 attend_pairs, on Zen 5 its K-then-V sweeps, mha_block_pairs),
     # whole-token tasks (>= 4 sequences a thread), several pages each and a next task to
     # prefetch; the same bits at one and two threads
     _native_or_skip()
     rng, gen = random.Random(kv_heads), torch.Generator().manual_seed(kv_heads)
     lens = [1, 16, 17, 70] + [rng.randint(1, 90) for _ in range(6)]
-    q, pool, meta = paged_step(rng, gen, torch.float32, [1] * len(lens), lens, 16, kv_heads, 1,
+    q, pool, meta = paged_step(rng, gen, dtype, [1] * len(lens), lens, 16, kv_heads, 1,
                                64, spare_pages=3)
     outs = []
     before = torch.get_num_threads()
@@ -122,9 +124,9 @@ def test_mha_rows_of_4_kib_or_more(kv_heads: int, no_torch_decode) -> None:
                                             kv_heads, 0.125))
     finally:
         torch.set_num_threads(before)
-    expected = reference.paged_attention(q, pool, meta, 16, kv_heads, 0.125)
-    rtol, atol, _ = TOLERANCE[torch.float32]
-    torch.testing.assert_close(outs[0], expected, rtol=rtol, atol=atol)
+    expected = reference.paged_attention(q.float(), pool.float(), meta, 16, kv_heads, 0.125)
+    rtol, atol, _ = TOLERANCE[dtype]
+    torch.testing.assert_close(outs[0].float(), expected, rtol=rtol, atol=atol)
     assert torch.equal(outs[0], outs[1])
 
 
