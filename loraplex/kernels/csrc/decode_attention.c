@@ -409,6 +409,23 @@ INLINE void weigh16(float *restrict acc, const float *restrict corr, const float
         for (int c = 0; c < NV; c++) storew(acc + (g * NV + c) * VW, a[g * NV + c]);
 }
 
+/* One query head (q: its D bf16 values) over the n <= 16 K rows at k: its weights exp(s - new
+ * maximum) to w[0..15], the rescaling of its earlier sums to *corr, its running maximum *m
+ * and sum *l updated. */
+INLINE void weigh_head(const uint16_t *q, const char *k, int64_t n, int64_t stride, int NP,
+                       float scale, float *m, float *l, float *corr, float *w) {
+    __m512i qv[4];
+    for (int c = 0; c < NP; c++) qv[c] = _mm512_loadu_si512(q + 32 * c);
+    const __m512 s = scores16(qv, k, n, stride, NP, scale);
+    /* NaN scores are skipped by the maximum and poison the sum, as in attend */
+    const float mx = _mm512_reduce_max_ps(s), mt = mx > *m ? mx : *m;
+    *corr = expw((vwf){0} + (*m - mt))[0];
+    const vwf e = expw((vwf)s - mt);
+    storew(w, e);
+    *l = *l * *corr + _mm512_reduce_add_ps((__m512)e);
+    *m = mt;
+}
+
 /* One block of n <= 16 rows of an MHA model (G == 1) on Zen 5 (attend_pairs' head_ahead): every
  * head's scores and weights first, over the block's K rows, then every head's V sums, over its
  * V rows, instead of K and V head by head: the K rows, then the V rows, are each read as one
@@ -434,16 +451,8 @@ INLINE void mha_block_pairs(const char *k, const char *v, int64_t n, int64_t str
             prefetch_bytes(k_next + o * stride, block_bytes);
             prefetch_bytes(k_next + half_bytes + o * stride, block_bytes);
         }
-        __m512i qv[4];
-        for (int c = 0; c < NP; c++) qv[c] = _mm512_loadu_si512(qb + (int64_t)h * D + 32 * c);
-        const __m512 s = scores16(qv, k + (int64_t)h * D * 2, n, stride, NP, scale);
-        /* NaN scores are skipped by the maximum and poison the sum, as in attend */
-        const float mx = _mm512_reduce_max_ps(s), mt = mx > m[h] ? mx : m[h];
-        corr[h] = expw((vwf){0} + (m[h] - mt))[0];
-        const vwf e = expw((vwf)s - mt);
-        storew(w + 16 * h, e);
-        l[h] = l[h] * corr[h] + _mm512_reduce_add_ps((__m512)e);
-        m[h] = mt;
+        weigh_head(qb + (int64_t)h * D, k + (int64_t)h * D * 2, n, stride, NP, scale, m + h,
+                   l + h, corr + h, w + 16 * h);
     }
     for (int h = 0; h < nh; h++) {
         const char *vh = v + (int64_t)h * D * 2;
@@ -507,17 +516,8 @@ INLINE void attend_pairs(const void *restrict pool, const int32_t *restrict page
                         prefetch_bytes(k_next + o * stride, block_bytes);
                         prefetch_bytes(k_next + half_bytes + o * stride, block_bytes);
                     }
-                    __m512i qv[4];
-                    for (int c = 0; c < NP; c++)
-                        qv[c] = _mm512_loadu_si512(qb + (int64_t)j * D + 32 * c);
-                    const __m512 s = scores16(qv, k + (int64_t)h * D * 2, n, stride, NP, scale);
-                    /* NaN scores are skipped by the maximum and poison the sum, as in attend */
-                    const float mx = _mm512_reduce_max_ps(s), mt = mx > m[j] ? mx : m[j];
-                    corr[g] = expw((vwf){0} + (m[j] - mt))[0];
-                    const vwf e = expw((vwf)s - mt);
-                    storew(w + 16 * g, e);
-                    l[j] = l[j] * corr[g] + _mm512_reduce_add_ps((__m512)e);
-                    m[j] = mt;
+                    weigh_head(qb + (int64_t)j * D, k + (int64_t)h * D * 2, n, stride, NP, scale,
+                               m + j, l + j, corr + g, w + 16 * g);
                 }
                 const char *vh = v + (int64_t)h * D * 2;
                 for (int g = 0; g < G; g += GB) {
