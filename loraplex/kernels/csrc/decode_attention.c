@@ -112,7 +112,8 @@ static int rows_into_l1(void) { return amd_family() >= 0x1A; }
  * in CPU time on two; the MHA 16/16 model 1.02x): during the scores alone the next page was all
  * asked for by the end of the first pass, and the second pass had nothing in flight. bf16 pages
  * already spread theirs over the query heads. The same flag turns on, for MHA models, attend()'s
- * V page in row order and attend_pairs' next-head prefetch (both measured on Zen 5 only). */
+ * V page in row order, and attend_pairs' block sweeps (mha_block_pairs, gqa_block_sweeps; both
+ * measured on Zen 5 only). */
 static int v_rows_spread(void) { return amd_family() >= 0x1A; }
 
 /* The next rows' prefetch (see rows_into_l1 for float32 rows of 4 KiB or more). */
@@ -426,31 +427,74 @@ INLINE void weigh_head(const uint16_t *q, const char *k, int64_t n, int64_t stri
     *m = mt;
 }
 
-/* One block of n <= 16 rows of an MHA model (G == 1) on Zen 5 (attend_pairs' head_ahead): every
- * head's scores and weights first, over the block's K rows, then every head's V sums, over its
- * V rows, instead of K and V head by head: the K rows, then the V rows, are each read as one
- * sweep (1.03-1.04x on one Zen 5 core at 16/16 heads x 64, 64 sequences of 20-290 tokens, the
- * same bits). In each sweep the next head's lines of the block go into L1 ahead of it (a
- * head's rows are 2 D bytes of every stride: short strided streams out of L2; this prefetch
- * alone, head by head, was 1.12-1.20x). The next page's rows pf_lo .. pf_hi - 1 are
- * prefetched spread over the heads. */
+/* One block of n <= 16 rows on Zen 5 (attend_pairs' sweeps): every query head's scores and
+ * weights first, over the block's K rows, then every head's V sums, over its V rows, instead
+ * of K and V head by head: the K rows, then the V rows, are each read as one sweep (the same
+ * bits). With G query heads a KV head (GQA; mha_block_pairs for G == 1) the next page's rows
+ * pf_lo .. pf_hi - 1 are prefetched into L2 spread over the K sweep's query heads, as head by
+ * head: 1.07-1.08x at SmolLM2's 9/3 heads x 64 (32 sequences of 64-150 tokens), 1.14x at 32/8,
+ * 1.05x at 16/4 x 128 (contexts 64-512), 1.01x at 9/3 with two sequences (a KV head a task),
+ * on one Zen 5 core. mha_block_pairs' prefetches here: 1.00x with the next head's lines into
+ * L1, 0.82x with half a block's distance, 0.93x with each half of the next page in its own
+ * sweep. A function of its own: as a G > 1 branch of mha_block_pairs it ran 0.92-0.98x of
+ * head by head (the same source lines, compiled differently). */
+INLINE void gqa_block_sweeps(const char *k, const char *v, int64_t n, int64_t stride, int nh,
+                             int G, const int D, float scale, const uint16_t *restrict qb,
+                             float *restrict w, float *restrict corr, float *restrict m,
+                             float *restrict l, float *restrict acc, const char *k_next,
+                             int64_t half_bytes, int64_t block_bytes, int64_t pf_lo,
+                             int64_t pf_hi) {
+    const int NP = D / 32, NV = D / 16, GB = 16 / NV, nq = nh * G;
+    for (int h = 0; h < nh; h++)
+        for (int g = 0; g < G; g++) {
+            const int j = h * G + g;
+            for (int64_t o = pf_lo + (pf_hi - pf_lo) * j / nq;
+                 o < pf_lo + (pf_hi - pf_lo) * (j + 1) / nq; o++) {
+                prefetch_bytes(k_next + o * stride, block_bytes);
+                prefetch_bytes(k_next + half_bytes + o * stride, block_bytes);
+            }
+            weigh_head(qb + (int64_t)j * D, k + (int64_t)h * D * 2, n, stride, NP, scale, m + j,
+                       l + j, corr + j, w + 16 * j);
+        }
+    for (int h = 0; h < nh; h++) {
+        const char *vh = v + (int64_t)h * D * 2;
+        for (int g = 0; g < G; g += GB) {
+            const int j = h * G + g;
+            float *a = acc + (int64_t)j * D;
+            switch (G - g < GB ? G - g : GB) {
+            case 1: weigh16(a, corr + j, w + 16 * j, vh, n, stride, NV, 1); break;
+            case 2: weigh16(a, corr + j, w + 16 * j, vh, n, stride, NV, 2); break;
+            case 3: weigh16(a, corr + j, w + 16 * j, vh, n, stride, NV, 3); break;
+            default: weigh16(a, corr + j, w + 16 * j, vh, n, stride, NV, 4); break;
+            }
+        }
+    }
+}
+
+/* One block of n <= 16 rows of an MHA model (G == 1) on Zen 5: gqa_block_sweeps' K and V
+ * sweeps (1.03-1.04x on one Zen 5 core at 16/16 heads x 64, 64 sequences of 20-290 tokens, the
+ * same bits) with prefetches of their own:
+ * - in each sweep the next head's lines of the block go into L1 ahead of it (a head's rows are
+ *   2 D bytes of every stride: short strided streams out of L2; this prefetch alone, head by
+ *   head, was 1.12-1.20x);
+ * - into L2, spread over the heads, half a block ahead: the block's V rows during the K sweep,
+ *   the next page's K rows pf_lo .. pf_hi - 1 during the V sweep (1.10-1.11x on one core and
+ *   two, against both halves of the next page during the K sweep: a burst, then nothing in
+ *   flight through the V sweep; both halves one page ahead, each in its own sweep,
+ *   1.03-1.08x). */
 INLINE void mha_block_pairs(const char *k, const char *v, int64_t n, int64_t stride, int nh,
                             const int D, float scale, const uint16_t *restrict qb,
                             float *restrict w, float *restrict corr, float *restrict m,
                             float *restrict l, float *restrict acc, const char *k_next,
-                            int64_t half_bytes, int64_t block_bytes, int64_t pf_lo,
-                            int64_t pf_hi) {
+                            int64_t block_bytes, int64_t pf_lo, int64_t pf_hi) {
     const int NP = D / 32, NV = D / 16;
     for (int h = 0; h < nh; h++) {
         if (h + 1 < nh)
             for (int64_t o = 0; o < n; o++)
                 for (int64_t b = 0; b < 2 * D; b += 64)
                     __builtin_prefetch(k + o * stride + (int64_t)(h + 1) * D * 2 + b, 0, 3);
-        const int64_t pf_from = pf_lo + (pf_hi - pf_lo) * h / nh;
-        for (int64_t o = pf_from; o < pf_lo + (pf_hi - pf_lo) * (h + 1) / nh; o++) {
-            prefetch_bytes(k_next + o * stride, block_bytes);
-            prefetch_bytes(k_next + half_bytes + o * stride, block_bytes);
-        }
+        for (int64_t o = n * h / nh; o < n * (h + 1) / nh; o++)
+            prefetch_bytes(v + o * stride, block_bytes);
         weigh_head(qb + (int64_t)h * D, k + (int64_t)h * D * 2, n, stride, NP, scale, m + h,
                    l + h, corr + h, w + 16 * h);
     }
@@ -460,18 +504,22 @@ INLINE void mha_block_pairs(const char *k, const char *v, int64_t n, int64_t str
             for (int64_t o = 0; o < n; o++)
                 for (int64_t b = 0; b < 2 * D; b += 64)
                     __builtin_prefetch(vh + o * stride + D * 2 + b, 0, 3);
+        for (int64_t o = pf_lo + (pf_hi - pf_lo) * h / nh;
+             o < pf_lo + (pf_hi - pf_lo) * (h + 1) / nh; o++)
+            prefetch_bytes(k_next + o * stride, block_bytes);
         weigh16(acc + (int64_t)h * D, corr + h, w + 16 * h, vh, n, stride, NV, 1);
     }
 }
 
 /* attend()'s semantics for bf16 at D = 64 or 128 (NP = D / 32 pair vectors, NV = D / 16),
  * page by page in blocks of 16 keys; qb: the block's nh * G query rows in bf16 (natural
- * order, contiguous); w: [G, 16] floats; corr: [G] floats. */
+ * order, contiguous); w: [nh * G, 16] floats (the first G * 16 of them unless sweeps);
+ * corr: [nh * G] floats (the first G unless sweeps); sweeps: gqa_block_sweeps' order (Zen 5). */
 INLINE void attend_pairs(const void *restrict pool, const int32_t *restrict pages,
                          int64_t len, int h0, int nh, int Hkv, int G, const int D, int P,
                          float scale, const uint16_t *restrict qb, float *restrict w,
                          float *restrict corr, float *restrict ml, float *restrict acc,
-                         const char *nx_first, int64_t nx_rows, int head_ahead) {
+                         const char *nx_first, int64_t nx_rows, int sweeps) {
     const int NP = D / 32, NV = D / 16, GB = 16 / NV; /* heads whose sums fit in registers */
     const int64_t stride = (int64_t)Hkv * D * 2;
     const int64_t half_bytes = (int64_t)P * stride, block_bytes = (int64_t)nh * D * 2;
@@ -500,9 +548,14 @@ INLINE void attend_pairs(const void *restrict pool, const int32_t *restrict page
             const int64_t n = n_page - o0 < 16 ? n_page - o0 : 16;
             const int64_t pf_end = o0 + n < next ? o0 + n : next; /* next page's rows */
             const char *k = k_page + o0 * stride, *v = k + half_bytes;
-            if (head_ahead) { /* G == 1 */
+            if (sweeps && G == 1) {
                 mha_block_pairs(k, v, n, stride, nh, D, scale, qb, w, corr, m, l, acc, k_next,
-                                half_bytes, block_bytes, o0, pf_end);
+                                block_bytes, o0, pf_end);
+                continue;
+            }
+            if (sweeps) {
+                gqa_block_sweeps(k, v, n, stride, nh, G, D, scale, qb, w, corr, m, l, acc,
+                                 k_next, half_bytes, block_bytes, o0, pf_end);
                 continue;
             }
             for (int h = 0; h < nh; h++) {
@@ -591,7 +644,7 @@ INLINE void task_body(const Call *c, int64_t task, int64_t next_task, float *buf
         /* the weights in scores (G * 16 floats of nq * P16), the rescalings in qf */
         attend_pairs(c->pool, c->page_table + c->table_rows[i] * c->table_stride, len, h0, nh,
                      c->Hkv, c->G, D, c->P, c->scale, (const uint16_t *)qr, scores, qf, ml,
-                     acc, nx_first, nx_rows, c->v_spread && c->G == 1);
+                     acc, nx_first, nx_rows, c->v_spread);
     } else
 #endif
     {
