@@ -1,11 +1,12 @@
 """The native bf16 GEMM (``loraplex/kernels/csrc/gemm_bf16.c``, AVX512-BF16's pair dot
 products, through ``loraplex/kernels/cpu_gemm``) against a float64 reference: within one bf16
 rounding of the float32 sum on every row, panel and depth tail (odd depths, widths off the
-16-column panels and 6-panel tiles, row counts off its 4-row tiles and 64-row tasks, depths over
-its 512-pair chunks), bias, strided rows, one and two threads; a NaN stays in its row, and an odd
-depth never reads the element past its row. And the model: bf16 weights are packed (dense copies
-dropped) where it is enabled, every projection runs on it, ``LORAPLEX_BF16_GEMM=0`` turns it
-off, and the engine's log-probabilities stay within bf16's rounding of oneDNN's.
+16-column panels and 6-panel tiles, a last group of every panel count, row counts off its
+4-row tiles and 64-row tasks, depths over its 512-pair chunks), bias, strided rows, one and two
+threads; a NaN stays in its row, and an odd depth never reads the element past its row. And the
+model: bf16 weights are packed (dense copies dropped) where it is enabled, every projection runs
+on it, ``LORAPLEX_BF16_GEMM=0`` turns it off, and the engine's log-probabilities stay within
+bf16's rounding of oneDNN's.
 
 Runs where the kernel is built (a CPU with AVX512-BF16: Zen 4, Zen 5, Sapphire Rapids); elsewhere
 the bf16 projections stay on oneDNN and these tests skip (the switch test still runs)."""
@@ -23,8 +24,11 @@ needs_kernel = pytest.mark.skipif(not cpu_gemm.bf16_available(),
                                   reason="no AVX512-BF16 (or native kernels off)")
 
 # (d_out, d_in): one panel; an odd depth under a pair; panels off the 6-panel tile with an
-# odd depth; widths off the 16-column panel; SmolLM2's qkv; a depth of two chunks (1100 pairs)
-SHAPES = [(16, 32), (5, 1), (37, 133), (100, 64), (7, 576), (960, 576), (40, 2200)]
+# odd depth; widths off the 16-column panel; SmolLM2's qkv; a depth of two chunks (1100 pairs);
+# a last group of 2, 4 and 5 panels (each panel count has its own unrolled loop; 1024 wide as
+# a 1024-hidden model's o and down projections)
+SHAPES = [(16, 32), (5, 1), (37, 133), (100, 64), (7, 576), (960, 576), (40, 2200),
+          (32, 17), (1024, 64), (80, 40)]
 ROWS = [1, 3, 4, 5, 32, 65, 130]  # off the 4-row tile, one 64-row task, three
 
 

@@ -33,6 +33,7 @@
 #define NR 6    /* 16-column panels of a register tile */
 #define KC 512  /* depth pairs of a chunk */
 #define MC 64   /* rows of a task */
+_Static_assert(NR == 6, "task() unrolls each panel count 1 .. 6 of a full row tile");
 
 /* 1 if this build has the kernel (the CPU has AVX512-BF16 and AVX512-BW), else 0 */
 int loraplex_bf16_gemm_available(void) {
@@ -65,19 +66,19 @@ void loraplex_bf16_pack(const uint16_t *w, int64_t ws, int64_t d_out, int64_t d_
 
 #ifdef HAVE_DPBF16
 /* acc[r][c] += x rows' pairs K0 .. K1 - 1 against panel c (b: panel 0's pair 0, panels kps
- * pairs apart); mr <= MR rows, np <= NR panels; FULL: mr == MR and np == NR (unrolled). PAIR:
- * the row's pair kp as a 32-bit value. */
-#define TILE_LOOP(FULL, K0, K1, PAIR)                                                      \
+ * pairs apart) for ROWS rows and COLS panels (ROWS <= MR, COLS <= NR): with both constant the
+ * loops unroll and acc stays in registers. PAIR: the row's pair kp as a 32-bit value. */
+#define TILE_LOOP(ROWS, COLS, K0, K1, PAIR)                                                \
     for (int64_t kp = (K0); kp < (K1); kp++) {                                             \
         for (pf_acc += pf_num; pf_acc >= pf_steps && pf_at < pf_lines; pf_acc -= pf_steps) \
             __builtin_prefetch(pf + 64 * pf_at++, 0, 2);                                   \
         __m512i bv[NR];                                                                    \
-        for (int c = 0; c < (FULL ? NR : np); c++)                                         \
+        for (int c = 0; c < (COLS); c++)                                                   \
             bv[c] = _mm512_loadu_si512(b + (c * kps + kp) * 32);                           \
-        for (int r = 0; r < (FULL ? MR : mr); r++) {                                       \
+        for (int r = 0; r < (ROWS); r++) {                                                 \
             const __m512i a = _mm512_set1_epi32((int)(PAIR));                              \
-            for (int c = 0; c < (FULL ? NR : np); c++)                                     \
-                acc[r][c] = dp(acc[r][c], a, bv[c]);                                     \
+            for (int c = 0; c < (COLS); c++)                                               \
+                acc[r][c] = dp(acc[r][c], a, bv[c]);                                       \
         }                                                                                  \
     }
 
@@ -116,12 +117,26 @@ static void task(const uint16_t *x, int64_t xs, const uint16_t *packed, const ui
                                     : _mm512_loadu_ps(part + (r * NR + c) * 16);
             /* pairs inside the row; an odd d_in's last element alone (never the one past it) */
             const int64_t kin = k1 < d_in / 2 ? k1 : d_in / 2;
-            if (mr == MR && np == NR) {
-                TILE_LOOP(1, k0, kin, load_pair(xr[r] + 2 * kp))
+            /* every panel count of a full row tile unrolled: with run-time bounds acc stayed
+             * in memory, and a d_out that is no multiple of NR panels (96 columns: 1024,
+             * 4096, 14336) lost 5-10% to its last group (a 1024-wide o or down projection on
+             * a Zen 5 core, 64-1536 rows). A tile of fewer rows keeps the loop with run-time
+             * bounds: unrolled, one to three rows (weights streamed from memory) ran 0.9x. */
+#define PAIRS load_pair(xr[r] + 2 * kp)
+            if (mr == MR) {
+                switch (np) {
+                case 6: TILE_LOOP(MR, 6, k0, kin, PAIRS) break;
+                case 5: TILE_LOOP(MR, 5, k0, kin, PAIRS) break;
+                case 4: TILE_LOOP(MR, 4, k0, kin, PAIRS) break;
+                case 3: TILE_LOOP(MR, 3, k0, kin, PAIRS) break;
+                case 2: TILE_LOOP(MR, 2, k0, kin, PAIRS) break;
+                default: TILE_LOOP(MR, 1, k0, kin, PAIRS) break;
+                }
             } else {
-                TILE_LOOP(0, k0, kin, load_pair(xr[r] + 2 * kp))
+                TILE_LOOP(mr, np, k0, kin, PAIRS)
             }
-            TILE_LOOP(0, kin, k1, xr[r][2 * kp])
+#undef PAIRS
+            TILE_LOOP(mr, np, kin, k1, xr[r][2 * kp])
             for (int r = 0; r < mr; r++)
                 for (int c = 0; c < np; c++) {
                     if (!last) {
