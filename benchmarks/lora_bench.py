@@ -405,9 +405,6 @@ def main(argv: list[str] | None = None) -> None:
         peer.close()
     report = build_report(args, hf_config, config, mean_context, infos, records,
                           copy_bandwidth(), gemm_throughput(dtype))
-    # the tree that ran, as checked at the start: an edit made while it ran (a doc) is in no
-    # number here, and must not mark them -dirty
-    report["machine"]["commit"] = commit
     if peers:
         report["vllm"] = {**peer_info(args.threads),
                           "max_loras": next(iter(peers.values())).max_loras}

@@ -11,6 +11,7 @@ scheduled arrival, so time a request waits while the server is busy counts again
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -146,9 +147,12 @@ def provenance() -> dict:
             "commit": git_commit()}
 
 
+@functools.cache
 def git_commit() -> str:
     """The checkout's short commit, ``-dirty`` if tracked files changed; ``unknown`` outside
-    a git checkout (what every benchmark and load-test report records)."""
+    a git checkout (what every benchmark and load-test report records). Read once a process,
+    on the first call (a benchmark's check of a clean tree, at its start): the tree whose code
+    the process runs, which a later edit (a doc, while a benchmark runs) does not change."""
     root = Path(__file__).resolve().parent.parent
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, check=True,
