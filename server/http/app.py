@@ -57,6 +57,10 @@ from loraplex.server.worker import MAX_MESSAGE_BYTES
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 SSE_PING_SECONDS = 15
+# Events end with "\n\n", as OpenAI's and vLLM's servers end them (sse-starlette's default is
+# "\r\n"): vLLM's benchmark client splits a stream on "\n\n" only, and two "\r\n" events that
+# reached it in one read stuck in its buffer, the rest of the stream lost to it.
+SSE_SEPARATOR = "\n"
 
 
 class ClientGone(Exception):
@@ -294,7 +298,7 @@ class OpenAIApp:
             logger.exception("%s: failed", response_id)
             return error_response(500, "internal error (logged by the gateway)", "server_error")
         return EventSourceResponse(self._events(first, chunks, shape, include_usage),
-                                   ping=SSE_PING_SECONDS)
+                                   ping=SSE_PING_SECONDS, sep=SSE_SEPARATOR)
 
     async def _events(self, first: tuple[int, GenerateChunk],
                       chunks: AsyncGenerator[tuple[int, GenerateChunk], None], shape: _Shape,

@@ -151,6 +151,24 @@ def test_streaming_with_usage_equals_the_whole_response(cluster: Cluster) -> Non
     assert plain and all(c.usage is None and c.choices for c in plain)
 
 
+def test_stream_events_end_with_two_newlines_as_vllm_clients_split_them(
+        cluster: Cluster) -> None:
+    # vLLM's benchmark client (`vllm bench serve`) splits a stream's bytes on "\n\n" only;
+    # with "\r\n\r\n" events, two that arrived in one read were never parsed again.
+    body = {"model": "private", "prompt": PROMPT, "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "logprobs": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    r = httpx.post(f"{cluster.http_url}/v1/completions", json=body, timeout=30,
+                   headers={"Authorization": f"Bearer {ACME}"})
+    assert r.status_code == 200 and "\r" not in r.text
+    events = [e.removeprefix("data: ") for e in r.text.split("\n\n") if e.strip()]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks if c["choices"]
+               ) == 12  # every token's event parsed, none lost in the buffer
+    assert chunks[-1]["usage"]["completion_tokens"] == 12
+
+
 def test_streaming_a_list_of_prompts_interleaves_their_choices(cluster: Cluster) -> None:
     client = oai(cluster)
     prompts = ["first prompt", "the second one", "third"]
