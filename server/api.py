@@ -13,9 +13,9 @@ from loraplex.server.params import ChatMessage, ChatMessages, SamplingParams, To
 
 __all__ = ["FINISH_REASONS", "MAX_MESSAGE_BYTES", "AdapterQuery", "ChatMessage", "ChatMessages",
            "Completion", "FileHeader", "GenerateChunk", "GenerateRequest", "Prompt",
-           "SamplingParams", "SequenceOutput", "ServiceError", "Timing", "TokenLogprob", "Tool",
-           "ToolCall", "ToolChoice", "UploadMetadata", "UploadPart", "Usage", "WorkerRequest",
-           "WorkerStatus"]
+           "SamplingParams", "SequenceOutput", "ServiceError", "Timing", "TokenLogprob",
+           "TokenizeRequest", "TokenizeResult", "Tool", "ToolCall", "ToolChoice",
+           "UploadMetadata", "UploadPart", "Usage", "WorkerRequest", "WorkerStatus"]
 
 # Finish reasons a stream can end with; "abort" and "error" become gRPC statuses instead.
 FINISH_REASONS = ("stop", "length")
@@ -120,6 +120,28 @@ class WorkerRequest:
     params: SamplingParams
     adapter_digest: str | None = None
     adapter_name: str = ""  # "tenant/name@version" of the digest, for router metrics only
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """A prompt to encode as generation would (text, or messages through the chat template),
+    or token ids to decode: the OpenAI API's ``/tokenize`` and ``/detokenize``.
+
+    ``add_special_tokens``: for text, the tokenizer's special tokens (BOS, ...) as a
+    completion's prompt gets them."""
+
+    prompt: Prompt
+    add_special_tokens: bool = True
+
+
+@dataclass(frozen=True)
+class TokenizeResult:
+    """The prompt's token ids (token ids: the request's own) and, for token ids, their text
+    with special tokens kept (else empty); the model's context length."""
+
+    token_ids: tuple[int, ...]
+    text: str = ""
+    max_model_len: int = 0
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,8 @@ from loraplex.server.api import (
     GenerateRequest,
     ServiceError,
     Timing,
+    TokenizeRequest,
+    TokenizeResult,
     Usage,
     WorkerRequest,
 )
@@ -130,6 +132,20 @@ def check_bounds(request: GenerateRequest, config: GatewayConfig) -> None:
         raise bad(f"request_id: at most {MAX_REQUEST_ID_CHARS} printable characters")
     if len(request.adapter) > MAX_ADAPTER_REF_CHARS:
         raise bad(f"adapter: at most {MAX_ADAPTER_REF_CHARS} characters")
+
+
+def _check_tokenize_bounds(request: TokenizeRequest, config: GatewayConfig) -> None:
+    """A generation prompt's bounds, an empty text or token list allowed (``/tokenize`` of
+    "" is ``[]``). Raises ``ServiceError`` INVALID_ARGUMENT naming the field."""
+    prompt = request.prompt
+    if isinstance(prompt, str) and prompt:
+        check_bounds(GenerateRequest(prompt=prompt), config)
+    elif isinstance(prompt, ChatMessages):
+        check_bounds(GenerateRequest(prompt=prompt), config)
+    elif isinstance(prompt, tuple) and len(prompt) > config.max_prompt_tokens:
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"token_ids: {len(prompt)}, over the limit of "
+                           f"{config.max_prompt_tokens}")
 
 
 class CallContext(Protocol):
@@ -235,6 +251,36 @@ class GenerationService:
                 self.num_active -= 1
                 if self.num_active == 0:
                     self._idle.set()
+
+    async def tokenize(self, request: TokenizeRequest, context: CallContext) -> TokenizeResult:
+        """A prompt's token ids, or token ids' text (the OpenAI API's ``/tokenize`` and
+        ``/detokenize``): authenticated and bounded as a generation request's prompt, then
+        answered by the least loaded healthy worker (the tokenizer lives with the model),
+        another tried where one cannot serve.
+
+        Raises:
+            ServiceError: UNAUTHENTICATED, INVALID_ARGUMENT naming the field (here or from the
+                worker), UNAVAILABLE (draining, or no worker could answer).
+        """
+        self.authenticate(context)
+        if self.draining:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                               "the gateway is shutting down; retry", cause="draining")
+        _check_tokenize_bounds(request, self.config)
+        last_error: ServiceError | None = None
+        for snap in sorted((s for s in self.pool.snapshots() if s.healthy),
+                           key=lambda s: s.load):
+            try:
+                return await self.pool.handle(snap.address).stub.tokenize(
+                    request, timeout=context.time_remaining())
+            except ServiceError as exc:
+                lost = {None: "transport", ORIGIN_SERVER: "not_serving"}.get(exc.origin)
+                if exc.code != grpc.StatusCode.UNAVAILABLE or not lost:
+                    raise _request_error(exc, "") from None
+                self.pool.mark_unhealthy(snap.address, lost)
+                last_error = ServiceError(exc.code, exc.message, cause="worker_lost")
+        raise last_error or ServiceError(grpc.StatusCode.UNAVAILABLE, "no worker is available",
+                                         cause="no_worker")
 
     async def resolve(self, tenant: str, ref: str) -> AdapterVersion | None:
         """``name[@version]`` -> its record in ``tenant``'s namespace (None: the base model).

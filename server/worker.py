@@ -35,6 +35,8 @@ from loraplex.server.api import (
     GenerateChunk,
     ServiceError,
     Timing,
+    TokenizeRequest,
+    TokenizeResult,
     Usage,
     WorkerRequest,
     WorkerStatus,
@@ -120,6 +122,25 @@ class WorkerService:
     @property
     def serving(self) -> bool:
         return not self.draining and self._engine.error is None
+
+    def tokenize(self, request: TokenizeRequest) -> TokenizeResult:
+        """A prompt's token ids as ``generate`` makes them, or token ids' text (``/tokenize``
+        and ``/detokenize``): on the calling (asyncio) thread, with its own tokenizer, as
+        ``generate`` encodes its prompts. Raises ``ServiceError``: INVALID_ARGUMENT naming the
+        field, UNAVAILABLE (server) when not serving."""
+        if not self.serving:
+            reason = self._engine.error or "the worker is draining"
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"{reason}; retry on another worker",
+                               origin=ORIGIN_SERVER)
+        engine = self._engine.engine
+        try:
+            if isinstance(request.prompt, tuple):
+                return TokenizeResult(request.prompt, engine.token_text(request.prompt),
+                                      engine.max_model_len)
+            ids = engine.prompt_token_ids(request.prompt, request.add_special_tokens)
+        except ValueError as exc:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        return TokenizeResult(tuple(ids), "", engine.max_model_len)
 
     async def generate(self, request: WorkerRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncGenerator[GenerateChunk, None]:

@@ -66,15 +66,17 @@ class Tokenizer:
             self._local.tok = tok
         return tok
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.for_this_thread()(text)["input_ids"])
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.for_this_thread()(text, add_special_tokens=add_special_tokens)
+                    ["input_ids"])
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         tok = self.for_this_thread()
         if self._backend_decode:  # the Rust decode transformers' decode would call, without
             # its per-call Python (1.8 against 3.8 us for a detokenizer's few tokens)
-            return str(tok.backend_tokenizer.decode(token_ids, skip_special_tokens=True))
-        return str(tok.decode(token_ids, skip_special_tokens=True))
+            return str(tok.backend_tokenizer.decode(token_ids,
+                                                    skip_special_tokens=skip_special_tokens))
+        return str(tok.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         """The token ids of ``messages`` rendered by the model's chat template, followed by

@@ -35,7 +35,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from loraplex.server.api import Completion, GenerateChunk, GenerateRequest, ServiceError, Usage
+from loraplex.server.api import (
+    Completion,
+    GenerateChunk,
+    GenerateRequest,
+    ServiceError,
+    TokenizeRequest,
+    TokenizeResult,
+    Usage,
+)
 from loraplex.server.gateway import MAX_REQUEST_ID_CHARS, GenerationService
 from loraplex.server.http import responses as out
 from loraplex.server.http.errors import (
@@ -49,7 +57,9 @@ from loraplex.server.http.schema import (
     chat_request,
     chat_tools,
     completion_requests,
+    detokenize_request,
     parse_json,
+    tokenize_request,
 )
 from loraplex.server.http.tools import ToolCalls
 from loraplex.server.worker import MAX_MESSAGE_BYTES
@@ -180,6 +190,8 @@ class OpenAIApp:
             Route("/v1/models/{model:path}", self.get_model, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
         ])
 
     # -- models and health -------------------------------------------------------------------
@@ -271,6 +283,39 @@ class OpenAIApp:
         return await self._respond(request, [replace(gen, adapter=adapter)], body.model,
                                    body.stream, include_usage, chat=True,
                                    response_id=f"chatcmpl-{request_id}", tools=tools)
+
+    # -- vLLM's tokenizer endpoints -------------------------------------------------------------
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's ``/tokenize``: ``{"count", "max_model_len", "tokens", "token_strs"}``."""
+        return await self._tokenizer_call(request, tokenize_request, lambda r: {
+            "count": len(r.token_ids), "max_model_len": r.max_model_len,
+            "tokens": list(r.token_ids), "token_strs": None})
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's ``/detokenize``: ``{"prompt": <the text of the tokens>}``."""
+        return await self._tokenizer_call(request, detokenize_request,
+                                          lambda r: {"prompt": r.text})
+
+    async def _tokenizer_call(self, request: Request,
+                              parse: Callable[[Any], tuple[str | None, TokenizeRequest]],
+                              shape: Callable[[TokenizeResult], dict[str, Any]]) -> Response:
+        try:
+            model, req = parse(parse_json(await _read_body(request)))
+            adapter = self._adapter(model) if model is not None else ""
+        except BadRequest as exc:
+            return error_response(exc.status, str(exc), "invalid_request_error", exc.param)
+        call = HttpCall(request.headers.raw, self.timeout_seconds)
+        try:
+            if adapter:  # one of the caller's adapters (its tokenizer is the base model's)
+                await self.service.resolve(self.service.authenticate(call), adapter)
+            result = await until_disconnect(request, self.service.tokenize(req, call))
+        except ServiceError as exc:
+            if isinstance(req.prompt, tuple) and exc.message.startswith("token_ids"):
+                exc = ServiceError(exc.code, "tokens" + exc.message[len("token_ids"):])
+            return self._error(exc, model or self.model)
+        except ClientGone:
+            return Response(status_code=499)
+        return JSONResponse(shape(result))
 
     async def _respond(self, request: Request, gens: list[GenerateRequest], model: str,
                        stream: bool, include_usage: bool, chat: bool, response_id: str,

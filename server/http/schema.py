@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from loraplex.server.api import ChatMessage, ChatMessages, GenerateRequest
+from loraplex.server.api import ChatMessage, ChatMessages, GenerateRequest, TokenizeRequest
 from loraplex.server.engine.request import SamplingParams
 from loraplex.server.http.structured import StructuredError, structured_output
 from loraplex.server.http.tools import ToolCalls, render_tool_calls, tool_calls
@@ -124,6 +124,24 @@ class ChatBody(_Common):
     parallel_tool_calls: bool | None = None
 
 
+class TokenizeBody(_Strict):
+    """vLLM's ``/tokenize``: a completion's ``prompt`` or a chat's ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+    return_token_strs: bool | None = None
+
+
+class DetokenizeBody(_Strict):
+    """vLLM's ``/detokenize``."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def parse_json(body: bytes) -> Any:
     """Decode a body and bound its nesting.
 
@@ -188,11 +206,20 @@ def _refuse_unsupported(body: _Common, extra: dict[str, Any]) -> None:
                              param=name)
 
 
+def _token_ids(ids: list[int], path: str, param: str) -> tuple[int, ...]:
+    """``ids`` as a prompt's token ids; JSON's integers are unbounded, the gRPC wire's ids
+    uint32 (the worker checks them against the vocabulary). Raises ``BadRequest``."""
+    for i, t in enumerate(ids):
+        if not 0 <= t < 1 << 32:
+            raise BadRequest(f"{path}[{i}]: {t} is not a token id", param=param)
+    return tuple(ids)
+
+
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     # OpenAI's JSON keys are token ids as strings.
     pairs = []
     for key, value in (bias or {}).items():
-        if not key.isdigit():
+        if not key.isdigit() or int(key) >= 1 << 32:  # the wire's token ids are uint32
             raise BadRequest(f"logit_bias: keys must be token ids, got {key[:32]!r}",
                              param="logit_bias")
         pairs.append((int(key), value))
@@ -277,10 +304,12 @@ def completion_requests(doc: Any, request_id: str = "") -> tuple[CompletionBody,
     if isinstance(body.prompt, str):
         prompts = [body.prompt]
     elif body.prompt and isinstance(body.prompt[0], int):
-        prompts = [tuple(t for t in body.prompt if isinstance(t, int))]
+        prompts = [_token_ids([t for t in body.prompt if isinstance(t, int)], "prompt",
+                              "prompt")]
     else:
-        for p in body.prompt:
-            prompts.append(p if isinstance(p, str) else tuple(p) if isinstance(p, list) else ())
+        for j, p in enumerate(body.prompt):
+            prompts.append(p if isinstance(p, str) else _token_ids(p, f"prompt[{j}]", "prompt")
+                           if isinstance(p, list) else ())
     if not prompts:
         raise BadRequest("prompt: must not be empty", param="prompt")
     if len(prompts) > MAX_PROMPTS:
@@ -329,3 +358,41 @@ def chat_request(doc: Any, default_max_tokens: int, request_id: str = ""
         params = replace(params, structured=tools.constraint)
     messages = ChatMessages(tuple(_chat_message(i, m) for i, m in enumerate(body.messages)))
     return body, GenerateRequest(prompt=messages, params=params, request_id=request_id)
+
+
+def tokenize_request(doc: Any) -> tuple[str | None, TokenizeRequest]:
+    """A ``/tokenize`` body -> (its ``model``, the request). ``prompt`` is encoded as a
+    completion's (the tokenizer's special tokens unless ``add_special_tokens`` is false),
+    ``messages`` as a chat's (the chat template, the assistant turn's prompt after them).
+
+    Raises:
+        BadRequest: naming the parameter (one of prompt or messages; options not served).
+    """
+    body: TokenizeBody = _validate(TokenizeBody, doc)
+    if (body.prompt is None) == (body.messages is None):
+        raise BadRequest("prompt: give either prompt or messages", param="prompt")
+    if body.return_token_strs:
+        raise BadRequest("return_token_strs: not supported by this server's HTTP API yet",
+                         param="return_token_strs")
+    if body.messages is None:
+        return body.model, TokenizeRequest(body.prompt or "", body.add_special_tokens
+                                           is not False)
+    # a chat's prompt is always the template's rendering followed by the assistant turn's
+    # prompt, special tokens only as the template writes them (vLLM's chat defaults)
+    _refuse_unsupported(_Common(model=""), {
+        "add_generation_prompt": body.add_generation_prompt is False,
+        "add_special_tokens": bool(body.add_special_tokens)})
+    if not body.messages:
+        raise BadRequest("messages: must not be empty", param="messages")
+    return body.model, TokenizeRequest(ChatMessages(tuple(
+        _chat_message(i, m) for i, m in enumerate(body.messages))))
+
+
+def detokenize_request(doc: Any) -> tuple[str | None, TokenizeRequest]:
+    """A ``/detokenize`` body -> (its ``model``, the request for the text of its ``tokens``).
+
+    Raises:
+        BadRequest: naming the parameter.
+    """
+    body: DetokenizeBody = _validate(DetokenizeBody, doc)
+    return body.model, TokenizeRequest(_token_ids(body.tokens, "tokens", "tokens"))

@@ -21,6 +21,8 @@ from loraplex.server.api import (
     Prompt,
     SequenceOutput,
     Timing,
+    TokenizeRequest,
+    TokenizeResult,
     Tool,
     ToolCall,
     ToolChoice,
@@ -301,6 +303,25 @@ def worker_status_to_pb(s: WorkerStatus) -> worker_pb2.WorkerStatus:
 
 def worker_status_from_pb(m: worker_pb2.WorkerStatus) -> WorkerStatus:
     return _copy_from_pb(WorkerStatus, m)
+
+
+def tokenize_request_from_pb(m: worker_pb2.TokenizeRequest) -> TokenizeRequest:
+    return TokenizeRequest(_prompt_from_pb(m), m.add_special_tokens)
+
+
+def tokenize_request_to_pb(r: TokenizeRequest) -> worker_pb2.TokenizeRequest:
+    m = worker_pb2.TokenizeRequest(add_special_tokens=r.add_special_tokens)
+    _set_prompt(m, r.prompt)
+    return m
+
+
+def tokenize_result_to_pb(r: TokenizeResult) -> worker_pb2.TokenizeResponse:
+    return worker_pb2.TokenizeResponse(token_ids=r.token_ids, text=r.text,
+                                       max_model_len=r.max_model_len)
+
+
+def tokenize_result_from_pb(m: worker_pb2.TokenizeResponse) -> TokenizeResult:
+    return TokenizeResult(tuple(m.token_ids), m.text, m.max_model_len)
 
 
 def adapter_to_pb(v: AdapterVersion) -> adapters_pb2.Adapter:

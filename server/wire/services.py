@@ -36,6 +36,8 @@ from loraplex.server.api import (
     GenerateChunk,
     GenerateRequest,
     ServiceError,
+    TokenizeRequest,
+    TokenizeResult,
     UploadPart,
     WorkerRequest,
     WorkerStatus,
@@ -47,6 +49,8 @@ from loraplex.server.wire.messages import (
     chunk_to_pb,
     completion_to_pb,
     generate_request_from_pb,
+    tokenize_request_from_pb,
+    tokenize_result_to_pb,
     upload_part_from_pb,
     worker_request_from_pb,
     worker_status_to_pb,
@@ -82,6 +86,8 @@ class WorkerImpl(Protocol):
                  ) -> AsyncGenerator[GenerateChunk, None]: ...
 
     def status(self) -> WorkerStatus: ...
+
+    def tokenize(self, request: TokenizeRequest) -> TokenizeResult: ...
 
 
 class AdaptersImpl(Protocol):
@@ -277,6 +283,11 @@ class _WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Status(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async with _status_on_error(context, "Worker.Status"):
             return worker_status_to_pb(self._impl.status())
+
+    async def Tokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async with _status_on_error(context, "Worker.Tokenize"):
+            req = _convert(tokenize_request_from_pb, request)
+            return tokenize_result_to_pb(self._impl.tokenize(req))
 
 
 async def _upload_parts(messages: AsyncIterator[Any]) -> AsyncIterator[UploadPart]:

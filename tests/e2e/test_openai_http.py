@@ -21,6 +21,7 @@ from loraplex.server.client import Client
 from loraplex.server.commands import write_demo_adapter
 from loraplex.server.engine.engine import Engine
 from loraplex.server.engine.llm import LLM
+from loraplex.server.engine.models.demo import BOS, IM_START
 from loraplex.server.engine.request import SamplingParams
 from loraplex.server.http.schema import MAX_JSON_DEPTH
 from tests.e2e.harness import REPO, Cluster, engine_config, read_line, wait_for, write_keys
@@ -271,6 +272,14 @@ def test_keys_and_unknown_models(cluster: Cluster) -> None:
     ({"extra_body": {"seed": True}}, "seed"),
     ({"extra_body": {"prompt": ""}}, "prompt"),
     ({"extra_body": {"model": "bad name!"}}, "model"),
+    # numbers the gRPC wire below cannot carry (uint32 / uint64 fields): 400, not a 500
+    ({"extra_body": {"prompt": [5, -1]}}, "prompt"),
+    ({"extra_body": {"prompt": [[5], [2**32]]}}, "prompt"),
+    ({"extra_body": {"stop_token_ids": [-1]}}, "stop_token_ids"),
+    ({"extra_body": {"seed": -1}}, "seed"), ({"extra_body": {"seed": 2**64}}, "seed"),
+    ({"logit_bias": {str(2**32): 1}}, "logit_bias"),
+    ({"extra_body": {"min_tokens": -1}}, "min_tokens"), ({"extra_body": {"top_k": -1}}, "top_k"),
+    ({"extra_body": {"max_tokens": 2**32}}, "max_tokens"),
 ])
 def test_bad_parameters_are_400_naming_them(cluster: Cluster, kwargs: dict[str, object],
                                             param: str) -> None:
@@ -482,6 +491,76 @@ def test_grpc_still_serves_beside_http(cluster: Cluster) -> None:
         assert client.generate("hi", "private", max_tokens=3).usage.completion_tokens == 3
 
 
+def tokenizer_call(cluster: Cluster, path: str, body: dict, key: str = ACME) -> httpx.Response:
+    return post(cluster, path, json.dumps(body).encode(), key)
+
+
+def test_tokenize_gives_the_ids_generation_sees(cluster: Cluster) -> None:
+    text = PROMPT + " \u00e9t\u00e9"  # two-byte characters: each is two byte tokens
+    r = tokenizer_call(cluster, "/tokenize", {"model": BASE, "prompt": text})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == [BOS, *text.encode()]  # as a completion's prompt: BOS first
+    assert body["count"] == len(body["tokens"]) and body["token_strs"] is None
+    assert body["max_model_len"] == cluster.workers[0].engine.max_model_len
+    got = oai(cluster).completions.create(model=BASE, prompt=text, max_tokens=1)
+    assert got.usage is not None and got.usage.prompt_tokens == body["count"]
+    # vLLM's benchmark client asks without special tokens, and for an adapter the same ids
+    # as for the base model; no model at all is the base model
+    for model in ("private", "private@1", None):
+        plain = tokenizer_call(cluster, "/tokenize", {
+            **({"model": model} if model else {}), "prompt": text, "add_special_tokens": False})
+        assert plain.status_code == 200 and plain.json()["tokens"] == list(text.encode())
+    empty = tokenizer_call(cluster, "/tokenize", {"prompt": "", "add_special_tokens": False})
+    assert empty.json()["tokens"] == [] and empty.json()["count"] == 0
+
+
+def test_tokenize_renders_messages_as_a_chat_and_detokenize_reads_them_back(
+        cluster: Cluster) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    r = tokenizer_call(cluster, "/tokenize", {"model": BASE, "messages": messages})
+    assert r.status_code == 200, r.text
+    rendered = cluster.workers[0].engine.tokenizer.apply_chat_template(messages)
+    assert r.json()["tokens"] == rendered
+    assert rendered[0] == IM_START and rendered[-1] == ord("\n")
+    back = tokenizer_call(cluster, "/detokenize", {"model": BASE, "tokens": rendered})
+    assert back.status_code == 200, back.text
+    assert back.json() == {"prompt": "<|im_start|>system\nBe brief.<|im_end|>\n"
+                                     "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"}
+    word = tokenizer_call(cluster, "/detokenize", {"tokens": [*"caf\u00e9".encode()]})
+    assert word.json() == {"prompt": "caf\u00e9"}
+
+
+def test_tokenizer_endpoints_refuse_what_they_cannot_serve(cluster: Cluster) -> None:
+    vocab = cluster.workers[0].engine.model_config.vocab_size
+    cases = [
+        ("/detokenize", {"tokens": [65, vocab]}, 400, "tokens[1]"),
+        ("/detokenize", {"tokens": [65, -1]}, 400, "tokens[1]"),
+        ("/detokenize", {"tokens": [2**32]}, 400, "tokens[0]"),
+        ("/detokenize", {"tokens": "65"}, 400, "tokens"),
+        ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400,
+         "prompt"),
+        ("/tokenize", {"model": BASE}, 400, "prompt"),
+        ("/tokenize", {"prompt": "a", "return_token_strs": True}, 400, "return_token_strs"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "b"}],
+                       "add_generation_prompt": False}, 400, "add_generation_prompt"),
+        ("/tokenize", {"messages": [{"role": "wizard", "content": "b"}]}, 400,
+         "messages[0].role"),
+        ("/tokenize", {"prompt": "a", "temperature": 0}, 400, "temperature"),
+        ("/tokenize", {"model": "nothing-here", "prompt": "a"}, 404, "model"),
+    ]
+    for path, body, status, param in cases:
+        r = tokenizer_call(cluster, path, body)
+        assert r.status_code == status, (body, r.text)
+        error = r.json()["error"]
+        assert error["param"] == param or error["message"].startswith(param), (body, error)
+    # the key first: no key is 401 whatever the body, another tenant's adapter a 404
+    assert tokenizer_call(cluster, "/tokenize", {"prompt": "a"}, "not-a-key").status_code == 401
+    assert tokenizer_call(cluster, "/detokenize", {"tokens": [1]}, "x").status_code == 401
+    assert tokenizer_call(cluster, "/tokenize", {"model": "private", "prompt": "a"},
+                          GLOBEX).status_code == 404
+
+
 def doc_curl_commands() -> list[str]:
     """The shell commands of the curl block in docs/service.md's OpenAI section."""
     doc = (REPO / "docs" / "service.md").read_text()
@@ -529,6 +608,11 @@ def test_serve_prints_the_url_and_the_docs_curl_examples_work(tmp_path: Path) ->
                     assert {m["id"] for m in reply["data"]} == {"demo", "mylora", "mylora@1"}
                 if "logprobs" in command:
                     assert len(reply["choices"][0]["logprobs"]["top_logprobs"][0]) == 2
+                if "/detokenize" in command:
+                    assert reply == {"prompt": "Hi"}
+                elif "/tokenize" in command:  # the demo's byte tokenizer: BOS, then bytes
+                    assert reply["tokens"] == [BOS, *b"Hi there"]
+                    assert reply["count"] == 9 and reply["max_model_len"] > 9
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

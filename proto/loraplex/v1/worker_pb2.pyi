@@ -7,6 +7,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class TokenizeRequest(_message.Message):
+    __slots__ = ("text", "token_ids", "messages", "add_special_tokens")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _generation_pb2.TokenIds
+    messages: _generation_pb2.ChatMessages
+    add_special_tokens: bool
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[_generation_pb2.TokenIds, _Mapping]] = ..., messages: _Optional[_Union[_generation_pb2.ChatMessages, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("token_ids", "text", "max_model_len")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    max_model_len: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+
 class WorkerGenerateRequest(_message.Message):
     __slots__ = ("request_id", "tenant", "adapter_digest", "text", "token_ids", "messages", "params", "adapter_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -45,6 +45,11 @@ class WorkerStub:
                 request_serializer=loraplex_dot_v1_dot_worker__pb2.StatusRequest.SerializeToString,
                 response_deserializer=loraplex_dot_v1_dot_worker__pb2.WorkerStatus.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/loraplex.v1.Worker/Tokenize',
+                request_serializer=loraplex_dot_v1_dot_worker__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=loraplex_dot_v1_dot_worker__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -66,6 +71,16 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """A prompt's token ids as Generate sees them (text encoded, messages rendered by the chat
+        template with the assistant turn's prompt), or token ids' text: the OpenAI API's
+        /tokenize and /detokenize. INVALID_ARGUMENT names the field (no tokenizer, a token id
+        out of the vocabulary, messages the template refuses); UNAVAILABLE when draining.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +93,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=loraplex_dot_v1_dot_worker__pb2.StatusRequest.FromString,
                     response_serializer=loraplex_dot_v1_dot_worker__pb2.WorkerStatus.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=loraplex_dot_v1_dot_worker__pb2.TokenizeRequest.FromString,
+                    response_serializer=loraplex_dot_v1_dot_worker__pb2.TokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +154,33 @@ class Worker:
             '/loraplex.v1.Worker/Status',
             loraplex_dot_v1_dot_worker__pb2.StatusRequest.SerializeToString,
             loraplex_dot_v1_dot_worker__pb2.WorkerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplex.v1.Worker/Tokenize',
+            loraplex_dot_v1_dot_worker__pb2.TokenizeRequest.SerializeToString,
+            loraplex_dot_v1_dot_worker__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
