@@ -13,15 +13,19 @@ for both: uploaded to loraplex over gRPC, given to vLLM as ``--lora-modules`` wi
 ``--max-loras`` their number (nothing swaps during a run).
 
 One server at a time, in ``--phases`` order (default ``loraplex,vllm,loraplex``: vLLM's phase
-bracketed), each warmed with one short client run first; each run's server CPU seconds are
-read from its whole process tree (vLLM's API server, engine core and worker). Every server
-process uses one thread (``OMP_NUM_THREADS=1``; vLLM's worker ``VLLM_CPU_OMP_THREADS_BIND=0``,
-no core reserved); the client shares the machine alike for both.
+bracketed; ``loraplex-base`` and ``vllm-base`` are the same servers' base models, every
+request naming the base model: issue 21's "64 adapters at the speed vLLM serves none" is
+``loraplex`` against ``vllm-base``), each warmed with one short client run first; each run's
+server CPU seconds are read from its whole process tree (vLLM's API server, engine core and
+worker). Every server process uses one thread (``OMP_NUM_THREADS=1``; vLLM's worker
+``VLLM_CPU_OMP_THREADS_BIND=0``, no core reserved); the client shares the machine alike for
+both.
 
 Reported per system and rate (medians over runs): output tokens/s, requests/s, TTFT, TPOT and
 ITL p50 / p99, E2E latency p50, goodput under ``--slo-ttft-ms`` / ``--slo-tpot-ms``, and server
-CPU seconds; then loraplex / vLLM per rate. The client's own result files stay in ``--out``;
-``vllm_bench_serve.json`` carries the commit (a dirty tree refused unless ``--allow-dirty``).
+CPU seconds; then ours / theirs per rate for each of ``PAIRS`` that ran. The client's own
+result files stay in ``--out``; ``vllm_bench_serve.json`` carries the commit (a dirty tree
+refused unless ``--allow-dirty``).
 
 Usage: ``OMP_NUM_THREADS=1 python benchmarks/vllm_bench_serve.py --out bench-out/vbs``
 """
@@ -53,7 +57,9 @@ from loraplex.server import env  # noqa: E402
 from loraplex.server.client import AsyncClient  # noqa: E402
 from loraplex.server.engine.models.config import ModelConfig  # noqa: E402
 
-SYSTEMS = ("loraplex", "vllm")
+SYSTEMS = ("loraplex", "vllm", "loraplex-base", "vllm-base")
+# (ours, theirs) compared in the report, where both ran
+PAIRS = (("loraplex", "vllm"), ("loraplex", "vllm-base"), ("loraplex-base", "vllm-base"))
 # what the table shows of each run, from the client's result file (milliseconds but tok/s)
 METRICS = ("output_throughput", "request_throughput", "p50_ttft_ms", "p99_ttft_ms",
            "p50_tpot_ms", "p99_tpot_ms", "p50_itl_ms", "p99_itl_ms", "p50_e2el_ms",
@@ -91,7 +97,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     for phase in args.phases.split(","):
         if phase not in SYSTEMS:
-            p.error(f"--phases: {phase!r} is not loraplex or vllm")
+            p.error(f"--phases: {phase!r} is not one of {', '.join(SYSTEMS)}")
     if args.num_adapters < 0 or args.num_prompts < 1:
         p.error("--num-adapters must be >= 0 and --num-prompts >= 1")
     try:
@@ -111,9 +117,10 @@ def adapter_names(args: argparse.Namespace) -> list[str]:
 
 def client_argv(args: argparse.Namespace, base_url: str, model: str, tokenizer: str,
                 rate: float, result_dir: Path, filename: str, num_prompts: int | None = None,
-                ) -> list[str]:
+                base: bool = False) -> list[str]:
     """``vllm bench serve``'s command line for one run: the same for either server but for
-    ``base_url`` and ``model`` (the name the server gives the base model)."""
+    ``base_url`` and ``model`` (the name the server gives the base model); ``base``: no
+    adapters, every request the base model's."""
     argv = [str(peer_python()), "-c", VLLM_CLI, "bench", "serve", "--backend", "openai",
             "--base-url", base_url, "--endpoint", "/v1/completions", "--model", model,
             "--tokenizer", tokenizer, "--dataset-name", "random",
@@ -127,7 +134,7 @@ def client_argv(args: argparse.Namespace, base_url: str, model: str, tokenizer: 
             "--goodput", f"ttft:{args.slo_ttft_ms:g}", f"tpot:{args.slo_tpot_ms:g}",
             "--save-result", "--result-dir", str(result_dir), "--result-filename", filename,
             "--disable-tqdm"]
-    if args.num_adapters:
+    if args.num_adapters and not base:
         argv += ["--lora-modules", *adapter_names(args), "--lora-assignment", "random"]
     return argv
 
@@ -178,24 +185,30 @@ def summarize(runs: Sequence[Mapping]) -> dict[str, dict[str, dict[str, float | 
     return out
 
 
+def _ratio(x: float | None, y: float | None) -> float | None:
+    return x / y if x is not None and y else None
+
+
 def ratios(summary: Mapping[str, Mapping[str, Mapping[str, float | None]]]
            ) -> dict[str, dict[str, float | None]]:
-    """rate -> loraplex / vLLM: output tok/s by the wall clock and per server CPU second, and
-    TTFT p50 and ITL p99 (lower is better for those two)."""
+    """"<rate> <ours>/<theirs>" -> output tok/s by the wall clock and per server CPU second,
+    and TTFT p50 and ITL p99 (lower is better for those two), for each of ``PAIRS`` that
+    ran at that rate."""
     out = {}
     for rate, systems in summary.items():
-        a, b = systems.get("loraplex"), systems.get("vllm")
-        if not a or not b:
-            continue
-
-        def ratio(x: float | None, y: float | None) -> float | None:
-            return x / y if x is not None and y else None
-
-        out[rate] = {"tok_s": ratio(a["output_throughput"], b["output_throughput"]),
-                     "tok_per_cpu_s": ratio(b["cpu_s_per_token"], a["cpu_s_per_token"]),
-                     "ttft_p50": ratio(a["p50_ttft_ms"], b["p50_ttft_ms"]),
-                     "itl_p99": ratio(a["p99_itl_ms"], b["p99_itl_ms"])}
+        for ours, theirs in PAIRS:
+            a, b = systems.get(ours), systems.get(theirs)
+            if a and b:
+                out[f"{rate} {ours}/{theirs}"] = _pair(a, b)
     return out
+
+
+def _pair(a: Mapping[str, float | None], b: Mapping[str, float | None]
+          ) -> dict[str, float | None]:
+    return {"tok_s": _ratio(a["output_throughput"], b["output_throughput"]),
+            "tok_per_cpu_s": _ratio(b["cpu_s_per_token"], a["cpu_s_per_token"]),
+            "ttft_p50": _ratio(a["p50_ttft_ms"], b["p50_ttft_ms"]),
+            "itl_p99": _ratio(a["p99_itl_ms"], b["p99_itl_ms"])}
 
 
 def _f(v: float | None, fmt: str = ".1f") -> str:
@@ -221,8 +234,10 @@ def table(summary: Mapping[str, Mapping[str, Mapping[str, float | None]]]) -> st
     if realigned:
         lines.append("WARNING: the client re-aligned the prompts of " + ", ".join(realigned)
                      + ": not the same trace")
-    for rate, q in ratios(summary).items():
-        lines.append(f"rate {rate}: loraplex / vLLM: tok/s {_f(q['tok_s'], '.2f')}x, per CPU s "
+    for key, q in ratios(summary).items():
+        rate, pair = key.split(" ", 1)
+        lines.append(f"rate {rate}: {pair.replace('/', ' / ')}: tok/s {_f(q['tok_s'], '.2f')}x, "
+                     f"per CPU s "
                      f"{_f(q['tok_per_cpu_s'], '.2f')}x, TTFT p50 {_f(q['ttft_p50'], '.2f')}x, "
                      f"ITL p99 {_f(q['itl_p99'], '.2f')}x")
     return "\n".join(lines)
@@ -249,7 +264,7 @@ class Bench:
             name = f"{system}-rate{rate:g}-p{phase}"
             cpu0, t0 = process_cpu_s(pid), time.monotonic()
             result = run_client(client_argv(args, base_url, model, self.path, rate, args.out,
-                                            f"{name}.json"),
+                                            f"{name}.json", base=system.endswith("-base")),
                                 args.out / f"{name}.json", args.out / f"{name}.log",
                                 args.run_timeout)
             cpu = cpu_delta(cpu0, process_cpu_s(pid))
@@ -260,15 +275,16 @@ class Bench:
             print(f"  {name}: {result['output_throughput']:.1f} tok/s, "
                   f"{result.get('failed', 0)} failed", file=sys.stderr)
 
-    def warm(self, base_url: str, model: str, phase: int) -> None:
+    def warm(self, system: str, base_url: str, model: str, phase: int) -> None:
         """One short run at once (8 requests): compiles, caches and first-step costs."""
         name = f"warmup-p{phase}"
         run_client(client_argv(self.args, base_url, model, self.path, float("inf"),
-                               self.args.out, f"{name}.json", num_prompts=8),
+                               self.args.out, f"{name}.json", num_prompts=8,
+                               base=system.endswith("-base")),
                    self.args.out / f"{name}.json", self.args.out / f"{name}.log",
                    self.args.run_timeout)
 
-    def loraplex_phase(self, phase: int) -> dict:
+    def loraplex_phase(self, system: str, phase: int) -> dict:
         args = self.args
         serve = ["--no-enable-prefix-caching", "--min-prefill-chunk", str(args.min_prefill_chunk),
                  "--num-pages", str(args.num_pages), "--dtype", args.dtype,
@@ -278,12 +294,13 @@ class Bench:
         with LocalServer(model=self.path if args.model == "bench" else args.model,
                          serve_args=serve, data_dir=args.out / f"loraplex-phase{phase}",
                          startup_timeout_s=600.0) as server:
-            asyncio.run(self._upload(server.address))
+            if system == "loraplex":
+                asyncio.run(self._upload(server.address))
             base_url = server.http_url.removesuffix("/v1")
             model = base_model(server.http_url)
-            self.warm(base_url, model, phase)
-            self.measure("loraplex", base_url, model, server.pid, phase)
-        return {"system": "loraplex", "serve_args": serve}
+            self.warm(system, base_url, model, phase)
+            self.measure(system, base_url, model, server.pid, phase)
+        return {"system": system, "serve_args": serve}
 
     async def _upload(self, address: str) -> None:
         client = AsyncClient(address)
@@ -293,18 +310,19 @@ class Bench:
         finally:
             await client.close()
 
-    def vllm_phase(self, phase: int) -> dict:
+    def vllm_phase(self, system: str, phase: int) -> dict:
         args = self.args
-        with VllmServer(Path(self.path), self.adapter_dirs, max_lora_rank=16,
+        adapters = {} if system == "vllm-base" else self.adapter_dirs  # base: no --enable-lora
+        with VllmServer(Path(self.path), adapters, max_lora_rank=16,
                         dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=max(512, 2 * (args.input_len + args.output_len)),
                         threads_bind=args.vllm_bind, extra_args=args.vllm_args.split(),
                         log_path=args.out / f"vllm-serve-{phase}.log") as server:
             base_url = server.base_url.removesuffix("/v1")
-            self.warm(base_url, server.model, phase)
-            self.measure("vllm", base_url, server.model, server.pid, phase)
-            return {"system": "vllm", "startup_s": server.startup_s, "cmd": server.cmd,
+            self.warm(system, base_url, server.model, phase)
+            self.measure(system, base_url, server.model, server.pid, phase)
+            return {"system": system, "startup_s": server.startup_s, "cmd": server.cmd,
                     "env": server.vllm_env}
 
 
@@ -331,7 +349,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     t0 = time.monotonic()
     try:
         for i, phase in enumerate(args.phases.split(",")):
-            info = bench.loraplex_phase(i) if phase == "loraplex" else bench.vllm_phase(i)
+            info = (bench.loraplex_phase(phase, i) if phase.startswith("loraplex")
+                    else bench.vllm_phase(phase, i))
             bench.phases.append(info)
             print(f"phase {i} ({phase}) done, {time.monotonic() - t0:.0f} s so far",
                   file=sys.stderr)

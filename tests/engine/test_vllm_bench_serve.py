@@ -57,6 +57,11 @@ def test_both_servers_get_the_same_client_command_but_address_and_model(peer_ven
 def test_the_base_model_alone_names_no_adapter(peer_venv, tmp_path):
     args = vbs.parse_args(["--num-adapters", "0"])
     assert "--lora-modules" not in vbs.client_argv(args, "u", "m", "/tok", 2.0, tmp_path, "r")
+    # the -base systems: the same trace with every request the base model's
+    args = vbs.parse_args(["--num-adapters", "64", "--phases", "loraplex,vllm-base"])
+    lora = vbs.client_argv(args, "u", "m", "/tok", 2.0, tmp_path, "r")
+    base = vbs.client_argv(args, "u", "m", "/tok", 2.0, tmp_path, "r", base=True)
+    assert base == lora[:lora.index("--lora-modules")]
 
 
 def _run(system: str, rate: str, tok_s: float, cpu_s: float, tokens: int, ttft: float,
@@ -76,13 +81,13 @@ def test_summary_takes_medians_and_ratios_put_loraplex_over_vllm():
     mine = summary["1"]["loraplex"]
     assert (mine["runs"], mine["output_throughput"], mine["p50_ttft_ms"]) == (3, 120.0, 60.0)
     assert mine["cpu_s_per_token"] == pytest.approx(0.012)
-    q = vbs.ratios(summary)["1"]
+    q = vbs.ratios(summary)["1 loraplex/vllm"]
     assert q["tok_s"] == pytest.approx(2.0)
     assert q["tok_per_cpu_s"] == pytest.approx(0.030 / 0.012)
     assert q["ttft_p50"] == pytest.approx(0.25)
     assert q["itl_p99"] == pytest.approx(0.3)
     text = vbs.table(summary)
-    assert "rate 1: loraplex / vLLM: tok/s 2.00x, per CPU s 2.50x" in text
+    assert "rate 1: loraplex / vllm: tok/s 2.00x, per CPU s 2.50x" in text
     assert "WARNING" not in text
 
 
@@ -93,13 +98,20 @@ def test_a_realigned_trace_is_flagged():
     assert "re-aligned the prompts of vllm at inf" in vbs.table(vbs.summarize(runs))
 
 
-def test_a_system_that_did_not_run_has_no_ratio():
+def test_each_pair_that_ran_gets_its_ratio():
     summary = vbs.summarize([_run("loraplex", "2", 1.0, 1.0, 10, 1.0, 1.0)])
     assert vbs.ratios(summary) == {}
+    summary = vbs.summarize([_run("loraplex", "2", 90.0, 1.0, 10, 1.0, 1.0),
+                             _run("loraplex-base", "2", 100.0, 1.0, 10, 1.0, 1.0),
+                             _run("vllm-base", "2", 80.0, 1.0, 10, 1.0, 1.0)])
+    q = vbs.ratios(summary)
+    assert sorted(q) == ["2 loraplex-base/vllm-base", "2 loraplex/vllm-base"]
+    assert q["2 loraplex/vllm-base"]["tok_s"] == pytest.approx(90 / 80)
+    assert q["2 loraplex-base/vllm-base"]["tok_s"] == pytest.approx(100 / 80)
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--phases", "loraplex,sglang"], "--phases: 'sglang' is not loraplex or vllm"),
+    (["--phases", "loraplex,sglang"], "--phases: 'sglang' is not one of loraplex, vllm"),
     (["--rates", "1,fast"], "--rates: numbers or inf"),
     (["--num-prompts", "0"], "--num-prompts"),
 ])
