@@ -216,13 +216,13 @@ def _f(v: float | None, fmt: str = ".1f") -> str:
 
 
 def table(summary: Mapping[str, Mapping[str, Mapping[str, float | None]]]) -> str:
-    lines = [f"{'rate':>5} {'system':<9} {'runs':>4} {'tok/s':>7} {'req/s':>6} "
+    lines = [f"{'rate':>5} {'system':<13} {'runs':>4} {'tok/s':>7} {'req/s':>6} "
              f"{'TTFT p50/p99 ms':>16} {'TPOT p50/p99':>14} {'ITL p50/p99':>13} "
              f"{'E2E p50':>8} {'goodput':>7} {'CPU ms/tok':>10}"]
     for rate, systems in summary.items():
         for system, r in systems.items():
             lines.append(
-                f"{rate:>5} {system:<9} {_f(r['runs'], '.0f'):>4} "
+                f"{rate:>5} {system:<13} {_f(r['runs'], '.0f'):>4} "
                 f"{_f(r['output_throughput']):>7} {_f(r['request_throughput'], '.2f'):>6} "
                 f"{_f(r['p50_ttft_ms'], '.0f') + '/' + _f(r['p99_ttft_ms'], '.0f'):>16} "
                 f"{_f(r['p50_tpot_ms'], '.0f') + '/' + _f(r['p99_tpot_ms'], '.0f'):>14} "
