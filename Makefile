@@ -12,7 +12,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install redis serve test lint bench bench-peers bench-serve clean
+.PHONY: install redis serve test lint bench bench-peers bench-serve bench-vllm-client clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -52,6 +52,12 @@ bench-peers:
 BENCH_SERVE_ARGS ?= --phases loraplex,vllm,loraplex
 bench-serve: install bench-peers
 	$(PY) benchmarks/serve_bench.py --model smollm2 $(BENCH_SERVE_ARGS) --out bench-out/serve
+
+# The same two servers measured by vLLM's own client, `vllm bench serve`, from the peer venv
+# (benchmarks/vllm_bench_serve.py; docs/benchmarks.md, "vLLM's own benchmark client").
+VLLM_BENCH_ARGS ?= --phases loraplex,vllm-base,loraplex-base,vllm,loraplex
+bench-vllm-client: install bench-peers
+	$(PY) benchmarks/vllm_bench_serve.py $(VLLM_BENCH_ARGS) --out bench-out/vllm-bench-serve
 
 clean:
 	rm -rf $(VENV) build *.egg-info
