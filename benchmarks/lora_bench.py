@@ -160,6 +160,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--systems", nargs="+", default=None, choices=SYSTEMS,
                    help="default: all, vLLM's where the peer venv exists (make bench-peers)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--popularity", default="zipf:1",
+                   help="how requests draw their adapter (zipf:1; uniform, as vllm bench serve)")
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="model and peft adapter directories (default: LORAPLEX_CACHE_DIR/bench)")
     p.add_argument("--out", type=Path, default=None, help="directory for lora_bench.json")
@@ -204,11 +206,13 @@ class SyntheticAdapters:
         return self._by_digest[digest]
 
 
-def adapter_indices(num_requests: int, num_adapters: int, seed: int) -> list[int]:
-    """Each request's adapter: Zipf(a=1) over ``num_adapters``, one draw per request (the same
-    uniform numbers for every N, so the traces differ only by N)."""
+def adapter_indices(num_requests: int, num_adapters: int, seed: int,
+                    popularity: str = "zipf:1") -> list[int]:
+    """Each request's adapter: Zipf(a=1) over ``num_adapters`` (or another ``popularity``,
+    ``loadtest/distributions.Popularity``: ``uniform`` as vLLM's benchmark client draws), one
+    draw per request (the same uniform numbers for every N, so the traces differ only by N)."""
     rng = np.random.default_rng(seed)
-    return Popularity("zipf", 1.0).sample(rng, num_requests, num_adapters).tolist()
+    return Popularity.parse(popularity).sample(rng, num_requests, num_adapters).tolist()
 
 
 def adapter_name(index: int) -> str:
@@ -309,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     config = ModelConfig.from_pretrained(str(model_path))
     requests = make_requests(args.num_requests, tuple(args.prompt_len), args.max_tokens,
                              hf_config["vocab_size"], seed=args.seed)
-    traces = {n: adapter_indices(len(requests), n, args.seed) for n in ns}
+    traces = {n: adapter_indices(len(requests), n, args.seed, args.popularity) for n in ns}
 
     t0 = time.perf_counter()
     family = SyntheticAdapters(config, max(ns), args.bases_per_rank, args.seed)
