@@ -19,7 +19,8 @@ request naming the base model: issue 21's "64 adapters at the speed vLLM serves 
 server CPU seconds are read from its whole process tree (vLLM's API server, engine core and
 worker). Every server process uses one thread (``OMP_NUM_THREADS=1``; vLLM's worker
 ``VLLM_CPU_OMP_THREADS_BIND=0``, no core reserved); the client shares the machine alike for
-both.
+both. Both get ``--memory-gib`` of cache: loraplex's unified pool holds the KV pages and the
+adapters in it, vLLM's KV cache only the KV (its LoRA slots are memory of their own).
 
 Reported per system and rate (medians over runs): output tokens/s, requests/s, TTFT, TPOT and
 ITL p50 / p99, E2E latency p50, goodput under ``--slo-ttft-ms`` / ``--slo-tpot-ms``, and server
@@ -80,7 +81,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="prompt lengths uniform in input-len x (1 +- this)")
     p.add_argument("--phases", default="loraplex,vllm,loraplex",
                    help="one server at a time, in this order (a system may come twice)")
-    p.add_argument("--num-pages", type=int, default=768)
+    p.add_argument("--memory-gib", type=int, default=1,
+                   help="both servers' cache memory: loraplex's pool (KV pages and adapters), "
+                        "vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE; its LoRA slots apart)")
     p.add_argument("--min-prefill-chunk", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="both servers")
     p.add_argument("--max-num-seqs", type=int, default=256, help="both servers")
@@ -287,7 +290,7 @@ class Bench:
     def loraplex_phase(self, system: str, phase: int) -> dict:
         args = self.args
         serve = ["--no-enable-prefix-caching", "--min-prefill-chunk", str(args.min_prefill_chunk),
-                 "--num-pages", str(args.num_pages), "--dtype", args.dtype,
+                 "--pool-memory-bytes", str(args.memory_gib << 30), "--dtype", args.dtype,
                  "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                  "--max-num-seqs", str(args.max_num_seqs), "--max-rank", "16",
                  *args.serve_args.split()]
@@ -317,7 +320,8 @@ class Bench:
                         dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=max(512, 2 * (args.input_len + args.output_len)),
-                        threads_bind=args.vllm_bind, extra_args=args.vllm_args.split(),
+                        threads_bind=args.vllm_bind, kvcache_gib=args.memory_gib,
+                        extra_args=args.vllm_args.split(),
                         log_path=args.out / f"vllm-serve-{phase}.log") as server:
             base_url = server.base_url.removesuffix("/v1")
             self.warm(system, base_url, server.model, phase)
