@@ -17,10 +17,11 @@ bracketed; ``loraplex-base`` and ``vllm-base`` are the same servers' base models
 request naming the base model: issue 21's "64 adapters at the speed vLLM serves none" is
 ``loraplex`` against ``vllm-base``), each warmed with one short client run first; each run's
 server CPU seconds are read from its whole process tree (vLLM's API server, engine core and
-worker). Every server process uses one thread (``OMP_NUM_THREADS=1``; vLLM's worker
-``VLLM_CPU_OMP_THREADS_BIND=0``, no core reserved); the client shares the machine alike for
-both. Both get ``--memory-gib`` of cache: loraplex's unified pool holds the KV pages and the
-adapters in it, vLLM's KV cache only the KV (its LoRA slots are memory of their own).
+worker). Every server computes on ``--threads`` threads (default one: loraplex's
+``OMP_NUM_THREADS``, vLLM's worker ``VLLM_CPU_OMP_THREADS_BIND=0``, no core reserved); the
+client shares the machine alike for both. Both get ``--memory-gib`` of cache: loraplex's
+unified pool holds the KV pages and the adapters in it, vLLM's KV cache only the KV (its LoRA
+slots are memory of their own).
 
 Reported per system and rate (medians over runs): output tokens/s, requests/s, TTFT, TPOT and
 ITL p50 / p99, E2E latency p50, goodput under ``--slo-ttft-ms`` / ``--slo-tpot-ms``, and server
@@ -28,7 +29,7 @@ CPU seconds; then ours / theirs per rate for each of ``PAIRS`` that ran. The cli
 result files stay in ``--out``; ``vllm_bench_serve.json`` carries the commit (a dirty tree
 refused unless ``--allow-dirty``).
 
-Usage: ``OMP_NUM_THREADS=1 python benchmarks/vllm_bench_serve.py --out bench-out/vbs``
+Usage: ``python benchmarks/vllm_bench_serve.py --out bench-out/vbs`` (``make bench-vllm-client``)
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from common import git_commit, machine_info, median  # noqa: E402
 from stall_free import TARGETS, model_path  # noqa: E402
-from vllm_peer import peer_python, peer_version, process_cpu_s  # noqa: E402
+from vllm_peer import peer_python, peer_version, process_cpu_s, threads_bind  # noqa: E402
 from vllm_serve import VLLM_CLI, VllmServer, cpu_delta  # noqa: E402
 
 from loraplex.loadtest.adapters import ensure_adapter_dirs, upload_missing  # noqa: E402,I001
@@ -88,7 +89,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="both servers")
     p.add_argument("--max-num-seqs", type=int, default=256, help="both servers")
     p.add_argument("--serve-args", default="", help="more `loraplex serve` flags")
-    p.add_argument("--vllm-bind", default="0", help="VLLM_CPU_OMP_THREADS_BIND")
+    p.add_argument("--threads", type=int, default=1,
+                   help="each server's compute threads: loraplex's OMP_NUM_THREADS, vLLM's "
+                        "worker bound to cores 0..threads-1")
     p.add_argument("--vllm-args", default="", help="more `vllm serve` flags")
     p.add_argument("--slo-ttft-ms", type=float, default=5000.0, help="goodput: TTFT limit")
     p.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput: TPOT limit")
@@ -101,8 +104,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for phase in args.phases.split(","):
         if phase not in SYSTEMS:
             p.error(f"--phases: {phase!r} is not one of {', '.join(SYSTEMS)}")
-    if args.num_adapters < 0 or args.num_prompts < 1:
-        p.error("--num-adapters must be >= 0 and --num-prompts >= 1")
+    if args.num_adapters < 0 or args.num_prompts < 1 or args.threads < 1:
+        p.error("--num-adapters must be >= 0, --num-prompts and --threads >= 1")
     try:
         rates(args)
     except ValueError:
@@ -296,6 +299,7 @@ class Bench:
                  *args.serve_args.split()]
         with LocalServer(model=self.path if args.model == "bench" else args.model,
                          serve_args=serve, data_dir=args.out / f"loraplex-phase{phase}",
+                         env={"OMP_NUM_THREADS": str(args.threads)},
                          startup_timeout_s=600.0) as server:
             if system == "loraplex":
                 asyncio.run(self._upload(server.address))
@@ -320,7 +324,7 @@ class Bench:
                         dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=max(512, 2 * (args.input_len + args.output_len)),
-                        threads_bind=args.vllm_bind, kvcache_gib=args.memory_gib,
+                        threads_bind=threads_bind(args.threads), kvcache_gib=args.memory_gib,
                         extra_args=args.vllm_args.split(),
                         log_path=args.out / f"vllm-serve-{phase}.log") as server:
             base_url = server.base_url.removesuffix("/v1")
@@ -362,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         summary = summarize(bench.runs)
         report = {"args": {k: str(v) if isinstance(v, Path) else v
                            for k, v in vars(args).items()},
-                  "commit": commit, "machine": machine_info(1), "vllm": peer_version(),
+                  "commit": commit, "machine": machine_info(args.threads), "vllm": peer_version(),
                   "model": bench.path, "adapters": sorted(bench.adapter_dirs),
                   "phases": bench.phases, "runs": bench.runs, "summary": summary,
                   "ratios": ratios(summary), "total_s": time.monotonic() - t0}
