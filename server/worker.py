@@ -45,6 +45,7 @@ from loraplex.server.config import EngineConfig, WorkerConfig
 from loraplex.server.engine.engine import Engine
 from loraplex.server.engine.request import Request, RequestOutput
 from loraplex.server.engine.stats import EngineStats
+from loraplex.server.engine.tokenizer import prompt_token_ids, token_text
 from loraplex.server.engine_loop import EngineLoop
 from loraplex.server.launch import served_model_name
 from loraplex.server.metrics import MetricsServer, StreamTimer, WorkerMetrics
@@ -135,9 +136,10 @@ class WorkerService:
         engine = self._engine.engine
         try:
             if isinstance(request.prompt, tuple):
-                return TokenizeResult(request.prompt, engine.token_text(request.prompt),
-                                      engine.max_model_len)
-            ids = engine.prompt_token_ids(request.prompt, request.add_special_tokens)
+                text = token_text(engine.tokenizer, engine.model_config.vocab_size,
+                                  request.prompt)
+                return TokenizeResult(request.prompt, text, engine.max_model_len)
+            ids = prompt_token_ids(engine.tokenizer, request.prompt, request.add_special_tokens)
         except ValueError as exc:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         return TokenizeResult(tuple(ids), "", engine.max_model_len)

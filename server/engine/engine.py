@@ -13,7 +13,6 @@ import logging
 import queue
 import secrets
 import time
-from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
@@ -44,9 +43,9 @@ from loraplex.server.engine.spec.speculator import Speculator
 from loraplex.server.engine.stats import EngineStats, collect_stats
 from loraplex.server.engine.step_cost import StepCostModel, StepTimer
 from loraplex.server.engine.structured import GrammarService
-from loraplex.server.engine.tokenizer import load_tokenizer
+from loraplex.server.engine.tokenizer import load_tokenizer, prompt_token_ids
 from loraplex.server.engine.warmup import warm_up
-from loraplex.server.params import CHAT_ROLES, ChatMessages
+from loraplex.server.params import ChatMessages
 
 logger = logging.getLogger(__name__)
 
@@ -305,50 +304,11 @@ class Engine:
         """The n sequences of an unfinished request (empty once all have finished)."""
         return self.outputs.sequences(request_id)
 
-    def prompt_token_ids(self, prompt: str | Sequence[int] | ChatMessages,
-                         add_special_tokens: bool = True) -> list[int]:
-        """A prompt's token ids as a request's are made (any thread): text encoded (with the
-        tokenizer's special tokens unless ``add_special_tokens`` is off), messages rendered
-        by the chat template with the assistant turn's prompt, token ids as they are.
-
-        Raises:
-            ValueError: naming the field (no tokenizer, no template, a bad message).
-        """
-        if not isinstance(prompt, (str, ChatMessages)):
-            return list(prompt)
-        if self.tokenizer is None:
-            field_name = "messages" if isinstance(prompt, ChatMessages) else "prompt"
-            raise ValueError(f"{field_name}: this model has no tokenizer; send token_ids")
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens)
-        if not prompt.messages:
-            raise ValueError("messages: must not be empty")
-        for i, m in enumerate(prompt.messages):
-            if m.role not in CHAT_ROLES:
-                raise ValueError(f"messages[{i}].role: {m.role[:32]!r} is not one of "
-                                 f"{', '.join(CHAT_ROLES)}")
-        return self.tokenizer.apply_chat_template(prompt.as_dicts())
-
-    def token_text(self, token_ids: Sequence[int]) -> str:
-        """The text of ``token_ids``, special tokens kept (any thread).
-
-        Raises:
-            ValueError: no tokenizer, or an id outside the vocabulary (``token_ids[i]``).
-        """
-        if self.tokenizer is None:
-            raise ValueError("token_ids: this model has no tokenizer")
-        vocab = self.model_config.vocab_size
-        for i, t in enumerate(token_ids):
-            if not 0 <= t < vocab:
-                raise ValueError(f"token_ids[{i}]: {t} is outside the vocabulary "
-                                 f"(0..{vocab - 1})")
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
-
     def _encode(self, prompt: str | list[int] | ChatMessages, params: SamplingParams
                 ) -> tuple[list[int], SamplingParams]:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: this model has no tokenizer to match stop strings")
-        token_ids = self.prompt_token_ids(prompt)
+        token_ids = prompt_token_ids(self.tokenizer, prompt)
         if not isinstance(prompt, ChatMessages):
             return token_ids, params
         eot = self.tokenizer.end_of_turn_id if self.tokenizer is not None else None

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from loraplex.server.engine.request import Request
+from loraplex.server.params import CHAT_ROLES, ChatMessages
 
 logger = logging.getLogger(__name__)
 
@@ -214,3 +215,43 @@ class Detokenizer:
         out = self.text[self._emitted:]
         self._emitted = len(self.text)
         return out
+
+
+def prompt_token_ids(tokenizer: Tokenizer | None, prompt: str | Sequence[int] | ChatMessages,
+                     add_special_tokens: bool = True) -> list[int]:
+    """A prompt's token ids as a request's are made (any thread): text encoded (with the
+    tokenizer's special tokens unless ``add_special_tokens`` is off), messages rendered by the
+    chat template with the assistant turn's prompt, token ids as they are.
+
+    Raises:
+        ValueError: naming the field (no tokenizer, no template, a bad message).
+    """
+    if not isinstance(prompt, (str, ChatMessages)):
+        return list(prompt)
+    if tokenizer is None:
+        field_name = "messages" if isinstance(prompt, ChatMessages) else "prompt"
+        raise ValueError(f"{field_name}: this model has no tokenizer; send token_ids")
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_special_tokens)
+    if not prompt.messages:
+        raise ValueError("messages: must not be empty")
+    for i, m in enumerate(prompt.messages):
+        if m.role not in CHAT_ROLES:
+            raise ValueError(f"messages[{i}].role: {m.role[:32]!r} is not one of "
+                             f"{', '.join(CHAT_ROLES)}")
+    return tokenizer.apply_chat_template(prompt.as_dicts())
+
+
+def token_text(tokenizer: Tokenizer | None, vocab_size: int, token_ids: Sequence[int]) -> str:
+    """The text of ``token_ids``, special tokens kept (any thread).
+
+    Raises:
+        ValueError: no tokenizer, or an id outside the vocabulary (``token_ids[i]``).
+    """
+    if tokenizer is None:
+        raise ValueError("token_ids: this model has no tokenizer")
+    for i, t in enumerate(token_ids):
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"token_ids[{i}]: {t} is outside the vocabulary "
+                             f"(0..{vocab_size - 1})")
+    return tokenizer.decode(list(token_ids), skip_special_tokens=False)

@@ -18,7 +18,7 @@ from loraplex.server.engine.engine import Engine
 from loraplex.server.engine.models.demo import IM_END, write_byte_tokenizer
 from loraplex.server.engine.request import SamplingParams
 from loraplex.server.engine.tokenizer import TOKENIZER_FILES
-from loraplex.server.gateway import MAX_CHAT_MESSAGES
+from loraplex.server.gateway_bounds import MAX_CHAT_MESSAGES
 from tests.e2e.harness import Cluster, engine_config
 
 QUESTION = [{"role": "system", "content": "Answer briefly."},
