@@ -32,11 +32,13 @@ MAX_CONFIG_BYTES = 1 << 20
 _DEFAULT_R = 8
 _DEFAULT_ALPHA = 8
 
+# (``astra_config``, peft 0.22, is an initialisation's settings, as ``corda_config`` and
+# ``eva_config`` are: the saved A and B are what a loaded adapter computes with)
 _IGNORED = frozenset({
-    "auto_mapping", "base_model_name_or_path", "corda_config", "ensure_weight_tying",
-    "eva_config", "inference_mode", "init_lora_weights", "loftq_config", "lora_dropout",
-    "lora_ga_config", "megatron_core", "peft_version", "qalora_group_size", "revision",
-    "task_type",
+    "astra_config", "auto_mapping", "base_model_name_or_path", "corda_config",
+    "ensure_weight_tying", "eva_config", "inference_mode", "init_lora_weights", "loftq_config",
+    "lora_dropout", "lora_ga_config", "megatron_core", "peft_version", "qalora_group_size",
+    "revision", "task_type",
 })
 
 # key -> the values that mean "feature off".

@@ -108,6 +108,7 @@ def test_digest_ignores_layout_and_bookkeeping(make_adapter, base_config, tmp_pa
                                 metadata={"format": "pt", "note": "x"})
     (other / "adapter_config.json").write_text(json.dumps(kit.lora_config(
         lora_alpha=8.0, lora_dropout=0.1, base_model_name_or_path="meta-llama/x",
+        astra_config=None, peft_version="0.22.0",  # a key PEFT 0.22 added (its init's)
         target_modules=["v_proj", "model.layers.0.self_attn.q_proj"])))
     assert load_adapter(other, base_config).digest == first.digest
 
