@@ -212,7 +212,7 @@ class GenerationService:
                 return await self.pool.handle(snap.address).stub.tokenize(
                     request, timeout=context.time_remaining())
             except ServiceError as exc:
-                lost = {None: "transport", ORIGIN_SERVER: "not_serving"}.get(exc.origin)
+                lost = _lost_reason(exc)
                 if exc.code != grpc.StatusCode.UNAVAILABLE or not lost:
                     raise _request_error(exc, "") from None
                 self.pool.mark_unhealthy(snap.address, lost)
@@ -276,8 +276,7 @@ class GenerationService:
                         yield chunk
                 return
             except ServiceError as exc:
-                # No trailer: the transport failed (refused, reset, a killed process).
-                lost = {None: "transport", ORIGIN_SERVER: "not_serving"}.get(exc.origin)
+                lost = _lost_reason(exc)
                 if sent:
                     if exc.code in BROKEN_STREAM and lost:
                         self.pool.mark_unhealthy(address, lost)
@@ -310,6 +309,12 @@ class GenerationService:
 _CAUSES = {"UNAUTHENTICATED": "auth", "PERMISSION_DENIED": "auth",
            "INVALID_ARGUMENT": "invalid", "NOT_FOUND": "not_found",
            "RESOURCE_EXHAUSTED": "quota", "FAILED_PRECONDITION": "adapter"}
+
+
+def _lost_reason(exc: ServiceError) -> str | None:
+    """Why a worker's status says it is gone (``transport``: no loraplex trailer, the call
+    failed below gRPC; ``not_serving``: it refuses all work), or None: the request's own."""
+    return {None: "transport", ORIGIN_SERVER: "not_serving"}.get(exc.origin)
 
 
 def _cause(exc: ServiceError) -> str:

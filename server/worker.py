@@ -124,15 +124,20 @@ class WorkerService:
     def serving(self) -> bool:
         return not self.draining and self._engine.error is None
 
+    def _not_serving(self) -> ServiceError:
+        """UNAVAILABLE with the ``server`` origin: the gateway takes this worker out of routing
+        and tries another."""
+        reason = self._engine.error or "the worker is draining"
+        return ServiceError(grpc.StatusCode.UNAVAILABLE, f"{reason}; retry on another worker",
+                            origin=ORIGIN_SERVER)
+
     def tokenize(self, request: TokenizeRequest) -> TokenizeResult:
         """A prompt's token ids as ``generate`` makes them, or token ids' text (``/tokenize``
         and ``/detokenize``): on the calling (asyncio) thread, with its own tokenizer, as
         ``generate`` encodes its prompts. Raises ``ServiceError``: INVALID_ARGUMENT naming the
         field, UNAVAILABLE (server) when not serving."""
         if not self.serving:
-            reason = self._engine.error or "the worker is draining"
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"{reason}; retry on another worker",
-                               origin=ORIGIN_SERVER)
+            raise self._not_serving()
         engine = self._engine.engine
         try:
             if isinstance(request.prompt, tuple):
@@ -150,10 +155,8 @@ class WorkerService:
         docstring for the codes)."""
         timer = StreamTimer(self.metrics)
         if not self.serving:
-            reason = self._engine.error or "the worker is draining"
             timer.finish(request.tenant, "UNAVAILABLE", "unavailable")
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"{reason}; retry on another worker",
-                               origin=ORIGIN_SERVER)
+            raise self._not_serving()
         if self.queue_depth() >= self.config.max_queue:
             timer.finish(request.tenant, "RESOURCE_EXHAUSTED", "overloaded")
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
