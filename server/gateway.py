@@ -368,7 +368,8 @@ class Gateway(GrpcHost):
         self.generation = GenerationService(config, keys, store, self.pool, self.metrics,
                                             self.quotas)
         limits = UploadLimits(max_bytes=config.max_upload_bytes, max_rank=config.max_rank)
-        self.adapters = AdaptersService(store, keys, base_config, limits, self.metrics)
+        self.adapters = AdaptersService(store, keys, base_config, limits, self.metrics,
+                                        on_stored=self.pool.warm)
         self.port = config.port
         self._server: grpc.aio.Server | None = None
         self._health: services.HealthReporter | None = None

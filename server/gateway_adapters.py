@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import os
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -124,8 +124,10 @@ class AdaptersService:
     """The ``Adapters`` service's implementation."""
 
     def __init__(self, store: AdapterStore, keys: KeyRing, base_config: ModelConfig,
-                 limits: UploadLimits, metrics: GatewayMetrics) -> None:
+                 limits: UploadLimits, metrics: GatewayMetrics,
+                 on_stored: Callable[[str], None] | None = None) -> None:
         self.store = store
+        self.on_stored = on_stored  # each stored upload's digest (the gateway warms a worker)
         self.keys = keys
         self.base_config = base_config
         self.limits = limits
@@ -176,6 +178,8 @@ class AdaptersService:
                 record = await asyncio.to_thread(self.store.put, tenant, first.name, adapter,
                                                  uploader=first.uploader)
             code = "OK"
+            if self.on_stored is not None:
+                self.on_stored(record.digest)
             return record
         except ServiceError as exc:
             code = exc.code.name

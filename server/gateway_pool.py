@@ -24,11 +24,13 @@ import grpc
 
 from loraplex.server.api import GenerateChunk, ServiceError, WorkerRequest, WorkerStatus
 from loraplex.server.metrics import GatewayMetrics
-from loraplex.server.router import Route, WorkerSnapshot, route
+from loraplex.server.router import Route, WorkerSnapshot, affinity_worker, route
 from loraplex.server.wire.stubs import WorkerStub
 from loraplex.server.worker import MAX_MESSAGE_BYTES, format_address
 
 logger = logging.getLogger(__name__)
+
+WARM_TIMEOUT_SECONDS = 5.0  # a Prefetch call (it only starts the loads)
 
 CHANNEL_OPTIONS = [
     # A restarted worker is found again within about a second, not after minutes of backoff.
@@ -191,6 +193,7 @@ class WorkerPool:
         self._handles: dict[str, WorkerHandle] = {}
         self._resolved: dict[tuple[str, int], set[str]] = {}
         self._dns_task: asyncio.Task[None] | None = None
+        self._warming: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         """Resolve the targets, poll every worker once, then keep polling in the background."""
@@ -201,6 +204,8 @@ class WorkerPool:
     async def close(self) -> None:
         if self._dns_task is not None:
             self._dns_task.cancel()
+        for task in list(self._warming):
+            task.cancel()
         for handle in list(self._handles.values()):
             await handle.close()
         self._handles.clear()
@@ -218,6 +223,28 @@ class WorkerPool:
 
     def handle(self, address: str) -> WorkerHandle:
         return self._handles[address]
+
+    def warm(self, digest: str) -> None:
+        """Ask the worker a new adapter lands on (``router.affinity_worker``) to load it into
+        its host cache now, so that its first request waits only for the copy into the pool
+        (on the event loop; best effort, in the background: a failure is logged, never
+        raised)."""
+        address = affinity_worker(digest, self.snapshots())
+        if address is None:
+            return
+        task = asyncio.create_task(self._warm(self._handles[address], digest))
+        self._warming.add(task)
+        task.add_done_callback(self._warming.discard)
+
+    async def _warm(self, handle: WorkerHandle, digest: str) -> None:
+        try:
+            started = await handle.stub.prefetch((digest,), timeout=WARM_TIMEOUT_SECONDS)
+        except ServiceError as exc:
+            logger.info("worker %s: prefetch of adapter %s refused: %s", handle.address,
+                        digest[:12], exc)
+            self.metrics.adapter_warms.labels(result="refused").inc()
+            return
+        self.metrics.adapter_warms.labels(result="started" if started else "cached").inc()
 
     def mark_unhealthy(self, address: str, reason: str) -> None:
         """A call found the worker gone (``reason`` ``transport``) or refusing all work

@@ -117,6 +117,10 @@ class GatewayMetrics(RequestMetrics):
         self.uploads = Counter("loraplex_gateway_adapter_uploads",
                                "Adapter uploads by tenant and final gRPC status",
                                ["tenant", "code"], registry=registry)
+        self.adapter_warms = Counter(
+            "loraplex_gateway_adapter_warms", "Prefetches of uploaded adapters into a worker's "
+            "host cache, by result: started, cached (resident, cached or loading there "
+            "already), refused (the call failed)", ["result"], registry=registry)
 
 
 class WorkerMetrics(RequestMetrics):
@@ -172,6 +176,12 @@ class _EngineCollector(Collector):
              s.adapter_copy_in_seconds),
             ("loraplex_worker_adapter_load_failures", "Adapter loads that failed",
              s.adapter_load_failures),
+            ("loraplex_worker_adapter_warm_loads",
+             "Host-cache loads started ahead of any request (the gateway's Prefetch of an upload)",
+             s.adapter_warm_loads),
+            ("loraplex_worker_adapter_warm_dropped",
+             "Warm loads dropped because the host cache had no room without evicting",
+             s.adapter_warm_dropped),
             ("loraplex_worker_adapter_evictions", "Adapters evicted from the pool",
              s.adapter_evictions),
             ("loraplex_worker_page_evictions", "Pages evicted by the pager",

@@ -105,6 +105,16 @@ def load_cap(loads: Iterable[int], load_factor: float) -> int:
     return max(1, math.ceil(load_factor * (sum(loads) + 1) / len(loads)))
 
 
+def affinity_worker(digest: str, workers: Sequence[WorkerSnapshot]) -> str | None:
+    """The healthy worker a new adapter lands on when loads are even: the highest rendezvous
+    score of ``(digest, worker)`` (None: no healthy worker). Where the gateway warms an
+    adapter just uploaded (``WorkerPool.warm``)."""
+    healthy = [w for w in workers if w.healthy]
+    if not healthy:
+        return None
+    return max(healthy, key=lambda w: rendezvous_score(digest, w.key)).address
+
+
 def route(digest: str | None, workers: Sequence[WorkerSnapshot], load_factor: float = 1.25,
           exclude: frozenset[str] = frozenset()) -> Route:
     """Order the workers that may serve a request for adapter ``digest`` (None: base model).
@@ -136,7 +146,7 @@ def route(digest: str | None, workers: Sequence[WorkerSnapshot], load_factor: fl
     host = by_score(w for w in within if digest in w.host_cached and digest not in w.resident)
     rest = by_score(w for w in within if digest not in w.resident | w.host_cached)
     ordered = resident + host + rest + over
-    first_choice = by_score(healthy)[0].address
+    first_choice = affinity_worker(digest, healthy)
     if resident:
         decision = RESIDENT
     elif host:

@@ -28,6 +28,7 @@ from collections.abc import AsyncGenerator, Callable
 import grpc
 from prometheus_client import CollectorRegistry
 
+from loraplex.adapter_store.store import check_digest
 from loraplex.server.api import (
     FINISH_REASONS,
     MAX_MESSAGE_BYTES,
@@ -55,6 +56,7 @@ from loraplex.server.wire import services
 
 logger = logging.getLogger(__name__)
 
+MAX_PREFETCH = 256  # digests in one Prefetch call
 MAX_IDLE_LABELS = 4096  # adapter labels kept for the idle list between scrapes
 
 
@@ -148,6 +150,26 @@ class WorkerService:
         except ValueError as exc:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         return TokenizeResult(tuple(ids), "", engine.max_model_len)
+
+    def prefetch(self, digests: tuple[str, ...]) -> int:
+        """Start host-cache loads of adapters ahead of their first request (``Prefetch``): how
+        many started. Raises ``ServiceError``: INVALID_ARGUMENT for a malformed digest, more
+        than ``MAX_PREFETCH`` or a worker without adapters, UNAVAILABLE (server) when not
+        serving."""
+        if not self.serving:
+            raise self._not_serving()
+        adapters = self._engine.engine.adapters
+        if adapters is None:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                               "prefetch: this worker serves no adapters")
+        if len(digests) > MAX_PREFETCH:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"digests: {len(digests)}, more than {MAX_PREFETCH}")
+        try:
+            checked = [check_digest(d) for d in digests]
+        except ValueError as exc:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"digests: {exc}") from None
+        return sum(adapters.warm(d) for d in checked)
 
     async def generate(self, request: WorkerRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncGenerator[GenerateChunk, None]:

@@ -36,6 +36,8 @@ class EngineStats:
     adapter_evictions: int = 0
     adapter_copies_in: int = 0  # host cache -> pool pages, in the steps
     adapter_copy_in_seconds: float = 0.0  # on CUDA: issuing the copies, not running them
+    adapter_warm_loads: int = 0  # host-cache loads started ahead of any request (Prefetch)
+    adapter_warm_dropped: int = 0  # warm loads dropped: no room without evicting
     prefix_queried_tokens: dict[str, int] = field(default_factory=dict)  # by tenant
     prefix_hit_tokens: dict[str, int] = field(default_factory=dict)  # by tenant
     step_times: StepTimeStats = StepTimeStats()  # measured against predicted step time
@@ -63,7 +65,8 @@ def collect_stats(scheduler: Scheduler, pager: Pager, num_steps: int, step_timer
             host_misses=int(c["host_misses"]), device_hits=int(c["device_hits"]),
             device_misses=int(c["device_misses"]), adapter_evictions=int(c["evictions"]),
             adapter_copies_in=int(c["copies_in"]),
-            adapter_copy_in_seconds=float(c["copy_in_seconds"]))
+            adapter_copy_in_seconds=float(c["copy_in_seconds"]),
+            adapter_warm_loads=int(c["warm_loads"]), adapter_warm_dropped=int(c["warm_dropped"]))
     prefix_fields = {}
     if prefix_cache is not None:
         p = prefix_cache.stats()

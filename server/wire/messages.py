@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
@@ -322,6 +323,22 @@ def tokenize_result_to_pb(r: TokenizeResult) -> worker_pb2.TokenizeResponse:
 
 def tokenize_result_from_pb(m: worker_pb2.TokenizeResponse) -> TokenizeResult:
     return TokenizeResult(tuple(m.token_ids), m.text, m.max_model_len)
+
+
+def prefetch_request_from_pb(m: worker_pb2.PrefetchRequest) -> tuple[str, ...]:
+    return tuple(m.digests)
+
+
+def prefetch_request_to_pb(digests: Sequence[str]) -> worker_pb2.PrefetchRequest:
+    return worker_pb2.PrefetchRequest(digests=digests)
+
+
+def prefetch_response_to_pb(started: int) -> worker_pb2.PrefetchResponse:
+    return worker_pb2.PrefetchResponse(started=started)
+
+
+def prefetch_response_from_pb(m: worker_pb2.PrefetchResponse) -> int:
+    return m.started
 
 
 def adapter_to_pb(v: AdapterVersion) -> adapters_pb2.Adapter:

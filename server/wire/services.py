@@ -49,6 +49,8 @@ from loraplex.server.wire.messages import (
     chunk_to_pb,
     completion_to_pb,
     generate_request_from_pb,
+    prefetch_request_from_pb,
+    prefetch_response_to_pb,
     tokenize_request_from_pb,
     tokenize_result_to_pb,
     upload_part_from_pb,
@@ -88,6 +90,8 @@ class WorkerImpl(Protocol):
     def status(self) -> WorkerStatus: ...
 
     def tokenize(self, request: TokenizeRequest) -> TokenizeResult: ...
+
+    def prefetch(self, digests: tuple[str, ...]) -> int: ...
 
 
 class AdaptersImpl(Protocol):
@@ -288,6 +292,11 @@ class _WorkerServicer(worker_pb2_grpc.WorkerServicer):
         async with _status_on_error(context, "Worker.Tokenize"):
             req = _convert(tokenize_request_from_pb, request)
             return tokenize_result_to_pb(self._impl.tokenize(req))
+
+    async def Prefetch(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async with _status_on_error(context, "Worker.Prefetch"):
+            digests = _convert(prefetch_request_from_pb, request)
+            return prefetch_response_to_pb(self._impl.prefetch(digests))
 
 
 async def _upload_parts(messages: AsyncIterator[Any]) -> AsyncIterator[UploadPart]:

@@ -28,6 +28,8 @@ from loraplex.server.wire.messages import (
     chunk_from_pb,
     completion_from_pb,
     generate_request_to_pb,
+    prefetch_request_to_pb,
+    prefetch_response_from_pb,
     tokenize_request_to_pb,
     tokenize_result_from_pb,
     upload_part_to_pb,
@@ -301,4 +303,6 @@ class WorkerStub(NonBlocking):
     generate = Stream("worker", "Generate", worker_request_to_pb, chunk_from_pb, metadata=False)
     status = Unary("worker", "Status", _status_request, worker_status_from_pb, metadata=False)
     tokenize = Unary("worker", "Tokenize", tokenize_request_to_pb, tokenize_result_from_pb,
+                     metadata=False)
+    prefetch = Unary("worker", "Prefetch", prefetch_request_to_pb, prefetch_response_from_pb,
                      metadata=False)

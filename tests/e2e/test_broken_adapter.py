@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from loraplex.adapter_store.format import load_adapter
 from loraplex.server.client import ServiceError
 from loraplex.server.commands import write_demo_adapter
 from tests.e2e.harness import Cluster, counter_total, wait_for
@@ -40,7 +41,9 @@ def test_a_corrupt_adapter_fails_alone(cluster: Cluster, redis_url: str, model_d
     with cluster.client() as client:
         for name, path in adapter_dirs.items():
             client.upload_adapter(path, name)
-        digest = client.upload_adapter(broken_dir, "broken").digest
+    # Pushed to the store directly, as `loraplex adapters push` does: an upload through the
+    # gateway would warm it into a worker's host cache before the damage below.
+    digest = cluster.store.put("default", "broken", load_adapter(broken_dir, cluster.base)).digest
     # Damage it the way a lost Redis key would: one chunk of its blob gone.
     r = redis.Redis.from_url(redis_url)
     assert r.delete(f"loraplex:blob:{digest}:0") == 1

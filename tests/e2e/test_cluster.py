@@ -14,7 +14,9 @@ import pytest
 from loraplex.server.client import Client, ServiceError
 from loraplex.server.router import rendezvous_score
 from loraplex.server.wire.stubs import ClientStub
+from loraplex.v1 import worker_pb2, worker_pb2_grpc
 from tests.e2e.harness import Cluster, WorkerProcess, wait_for
+from tests.engine.test_fault_isolation import write_huge_adapter
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +83,64 @@ def test_requests_for_one_adapter_go_to_one_worker(pair: Cluster,
     for name, digest in digests.items():
         best = max(range(2), key=lambda i: rendezvous_score(digest, ids[i]))
         assert homes[name] == best
+
+
+def _warms(cluster: Cluster) -> dict[str, float]:
+    return {s.labels["result"]: s.value for m in cluster.gateway.registry.collect()
+            if m.name == "loraplex_gateway_adapter_warms"
+            for s in m.samples if s.name.endswith("_total")}
+
+
+def test_an_upload_is_warmed_on_the_worker_its_requests_go_to(pair: Cluster, model_dir: Path,
+                                                              tmp_path: Path) -> None:
+    path = write_huge_adapter(tmp_path / "warm", model_dir, value=0.01)
+    ids = [w.service.worker_id for w in pair.workers]  # type: ignore[union-attr]
+    before = _warms(pair)
+    with pair.client() as client:
+        digest = client.upload_adapter(path, "warm-me").digest
+        home = max(range(2), key=lambda i: rendezvous_score(digest, ids[i]))
+        # in the home worker's host cache with no request sent; not on the other worker
+        wait_for(lambda: digest in pair.stats(home).host_adapters, timeout=30,
+                 what="the upload in its worker's host cache")
+        assert digest not in pair.stats(home).resident_adapters
+        assert digest not in pair.stats(1 - home).host_adapters
+        assert pair.stats(home).adapter_warm_loads >= 1
+        assert _warms(pair).get("started", 0) == before.get("started", 0) + 1
+        loads = pair.stats(home).adapter_loads
+        misses = pair.stats(home).host_misses
+        # its first request goes there and finds it cached: no second load, no host miss
+        assert client.generate("warm", "warm-me", max_tokens=2).usage.completion_tokens == 2
+        assert digest in pair.stats(home).resident_adapters
+        assert pair.stats(home).adapter_loads == loads
+        assert pair.stats(home).host_misses == misses
+        # the same weights again (a new version): the worker holds them, nothing starts
+        client.upload_adapter(path, "warm-me")
+        wait_for(lambda: _warms(pair).get("cached", 0) == before.get("cached", 0) + 1,
+                 what="the second upload's prefetch answered")
+        assert pair.stats(home).adapter_loads == loads
+
+
+def test_worker_prefetch_refuses_malformed_digests(pair: Cluster) -> None:
+    worker = pair.workers[0]
+    with grpc.insecure_channel(worker.address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        for digests, needle in ((["nope"], "64 lowercase hex"),
+                                (["ab" * 32] * 257, "more than 256")):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Prefetch(worker_pb2.PrefetchRequest(digests=digests), timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert needle in (info.value.details() or "")
+        # a well-formed digest the store lacks: started, then failed in the background; the
+        # worker serves on
+        unknown = "cd" * 32
+        reply = stub.Prefetch(worker_pb2.PrefetchRequest(digests=[unknown, unknown]), timeout=10)
+        assert reply.started == 1  # the second is on its way already
+        wait_for(lambda: not worker.engine.adapters.is_loading(unknown),
+                 what="the unknown digest's load to end")
+        assert unknown not in pair.stats(0).host_adapters
+        assert pair.stats(0).adapter_load_failures >= 1
+    with pair.client() as client:
+        assert client.generate("still", max_tokens=2).usage.completion_tokens == 2
 
 
 def test_drain_turns_health_not_serving_and_lets_in_flight_finish(pair: Cluster) -> None:

@@ -7,6 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PrefetchRequest(_message.Message):
+    __slots__ = ("digests",)
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    digests: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, digests: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("started",)
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    started: int
+    def __init__(self, started: _Optional[int] = ...) -> None: ...
+
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "token_ids", "messages", "add_special_tokens")
     TEXT_FIELD_NUMBER: _ClassVar[int]

@@ -50,6 +50,11 @@ class WorkerStub:
                 request_serializer=loraplex_dot_v1_dot_worker__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=loraplex_dot_v1_dot_worker__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/loraplex.v1.Worker/Prefetch',
+                request_serializer=loraplex_dot_v1_dot_worker__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=loraplex_dot_v1_dot_worker__pb2.PrefetchResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -81,6 +86,18 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefetch(self, request, context):
+        """Load adapters into the host (CPU RAM) cache ahead of their first request, so that it
+        waits only for the copy into the pool (the gateway calls it for the worker a new upload
+        would be routed to). Best effort: a warm load never evicts a cached adapter (one that
+        does not fit is dropped), and a digest that fails to load is only counted (a request
+        for it loads it again). INVALID_ARGUMENT for a malformed digest or too many; UNAVAILABLE
+        when draining.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -98,6 +115,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=loraplex_dot_v1_dot_worker__pb2.TokenizeRequest.FromString,
                     response_serializer=loraplex_dot_v1_dot_worker__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=loraplex_dot_v1_dot_worker__pb2.PrefetchRequest.FromString,
+                    response_serializer=loraplex_dot_v1_dot_worker__pb2.PrefetchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -181,6 +203,33 @@ class Worker:
             '/loraplex.v1.Worker/Tokenize',
             loraplex_dot_v1_dot_worker__pb2.TokenizeRequest.SerializeToString,
             loraplex_dot_v1_dot_worker__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplex.v1.Worker/Prefetch',
+            loraplex_dot_v1_dot_worker__pb2.PrefetchRequest.SerializeToString,
+            loraplex_dot_v1_dot_worker__pb2.PrefetchResponse.FromString,
             options,
             channel_credentials,
             insecure,
