@@ -128,20 +128,24 @@ class TokenizeRequest:
     or token ids to decode: the OpenAI API's ``/tokenize`` and ``/detokenize``.
 
     ``add_special_tokens``: for text, the tokenizer's special tokens (BOS, ...) as a
-    completion's prompt gets them."""
+    completion's prompt gets them; ``return_token_strs``: for text or messages, each token's
+    vocabulary string as well."""
 
     prompt: Prompt
     add_special_tokens: bool = True
+    return_token_strs: bool = False
 
 
 @dataclass(frozen=True)
 class TokenizeResult:
     """The prompt's token ids (token ids: the request's own) and, for token ids, their text
-    with special tokens kept (else empty); the model's context length."""
+    with special tokens kept (else empty); the model's context length; with
+    ``return_token_strs``, each token's vocabulary string (else empty)."""
 
     token_ids: tuple[int, ...]
     text: str = ""
     max_model_len: int = 0
+    token_strs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -149,7 +149,9 @@ class WorkerService:
             ids = prompt_token_ids(engine.tokenizer, request.prompt, request.add_special_tokens)
         except ValueError as exc:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        return TokenizeResult(tuple(ids), "", engine.max_model_len)
+        strs = (tuple(engine.tokenizer.token_strs(ids))  # a prompt encoded has a tokenizer
+                if request.return_token_strs and engine.tokenizer is not None else ())
+        return TokenizeResult(tuple(ids), "", engine.max_model_len, strs)
 
     def prefetch(self, digests: tuple[str, ...]) -> int:
         """Start host-cache loads of adapters ahead of their first request (``Prefetch``): how

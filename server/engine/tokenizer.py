@@ -79,6 +79,14 @@ class Tokenizer:
                                                     skip_special_tokens=skip_special_tokens))
         return str(tok.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
+    def token_strs(self, token_ids: list[int]) -> list[str]:
+        """Each token's string in the vocabulary (byte-level BPE's ``Ġ`` for a space), as
+        vLLM's ``/tokenize`` returns them; a string no wire can carry (a lone surrogate)
+        has it replaced."""
+        out = self.for_this_thread().convert_ids_to_tokens(token_ids)
+        return [str(t).encode("utf-8", "replace").decode("utf-8") if t is not None else ""
+                for t in out]
+
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         """The token ids of ``messages`` rendered by the model's chat template, followed by
         the prompt of the assistant's turn.

@@ -290,7 +290,7 @@ class OpenAIApp:
         """vLLM's ``/tokenize``: ``{"count", "max_model_len", "tokens", "token_strs"}``."""
         return await self._tokenizer_call(request, tokenize_request, lambda r: {
             "count": len(r.token_ids), "max_model_len": r.max_model_len,
-            "tokens": list(r.token_ids), "token_strs": None})
+            "tokens": list(r.token_ids), "token_strs": list(r.token_strs) or None})
 
     async def detokenize(self, request: Request) -> Response:
         """vLLM's ``/detokenize``: ``{"prompt": <the text of the tokens>}``."""

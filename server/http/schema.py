@@ -371,12 +371,10 @@ def tokenize_request(doc: Any) -> tuple[str | None, TokenizeRequest]:
     body: TokenizeBody = _validate(TokenizeBody, doc)
     if (body.prompt is None) == (body.messages is None):
         raise BadRequest("prompt: give either prompt or messages", param="prompt")
-    if body.return_token_strs:
-        raise BadRequest("return_token_strs: not supported by this server's HTTP API yet",
-                         param="return_token_strs")
+    strs = bool(body.return_token_strs)
     if body.messages is None:
         return body.model, TokenizeRequest(body.prompt or "", body.add_special_tokens
-                                           is not False)
+                                           is not False, strs)
     # a chat's prompt is always the template's rendering followed by the assistant turn's
     # prompt, special tokens only as the template writes them (vLLM's chat defaults)
     _refuse_unsupported(_Common(model=""), {
@@ -385,7 +383,7 @@ def tokenize_request(doc: Any) -> tuple[str | None, TokenizeRequest]:
     if not body.messages:
         raise BadRequest("messages: must not be empty", param="messages")
     return body.model, TokenizeRequest(ChatMessages(tuple(
-        _chat_message(i, m) for i, m in enumerate(body.messages))))
+        _chat_message(i, m) for i, m in enumerate(body.messages))), return_token_strs=strs)
 
 
 def detokenize_request(doc: Any) -> tuple[str | None, TokenizeRequest]:

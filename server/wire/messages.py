@@ -307,22 +307,23 @@ def worker_status_from_pb(m: worker_pb2.WorkerStatus) -> WorkerStatus:
 
 
 def tokenize_request_from_pb(m: worker_pb2.TokenizeRequest) -> TokenizeRequest:
-    return TokenizeRequest(_prompt_from_pb(m), m.add_special_tokens)
+    return TokenizeRequest(_prompt_from_pb(m), m.add_special_tokens, m.return_token_strs)
 
 
 def tokenize_request_to_pb(r: TokenizeRequest) -> worker_pb2.TokenizeRequest:
-    m = worker_pb2.TokenizeRequest(add_special_tokens=r.add_special_tokens)
+    m = worker_pb2.TokenizeRequest(add_special_tokens=r.add_special_tokens,
+                                   return_token_strs=r.return_token_strs)
     _set_prompt(m, r.prompt)
     return m
 
 
 def tokenize_result_to_pb(r: TokenizeResult) -> worker_pb2.TokenizeResponse:
     return worker_pb2.TokenizeResponse(token_ids=r.token_ids, text=r.text,
-                                       max_model_len=r.max_model_len)
+                                       max_model_len=r.max_model_len, token_strs=r.token_strs)
 
 
 def tokenize_result_from_pb(m: worker_pb2.TokenizeResponse) -> TokenizeResult:
-    return TokenizeResult(tuple(m.token_ids), m.text, m.max_model_len)
+    return TokenizeResult(tuple(m.token_ids), m.text, m.max_model_len, tuple(m.token_strs))
 
 
 def prefetch_request_from_pb(m: worker_pb2.PrefetchRequest) -> tuple[str, ...]:

@@ -16,6 +16,7 @@ import httpx2 as httpx
 import openai
 import pytest
 from openai import OpenAI
+from transformers import AutoTokenizer
 
 from loraplex.server.client import Client
 from loraplex.server.commands import write_demo_adapter
@@ -513,6 +514,13 @@ def test_tokenize_gives_the_ids_generation_sees(cluster: Cluster) -> None:
         assert plain.status_code == 200 and plain.json()["tokens"] == list(text.encode())
     empty = tokenizer_call(cluster, "/tokenize", {"prompt": "", "add_special_tokens": False})
     assert empty.json()["tokens"] == [] and empty.json()["count"] == 0
+    # each token's vocabulary string, as vLLM returns them (transformers' own lookup)
+    vocab = AutoTokenizer.from_pretrained(cluster.model_dir)
+    for req in ({"prompt": text}, {"messages": [{"role": "user", "content": text}]}):
+        strs = tokenizer_call(cluster, "/tokenize", {**req, "return_token_strs": True}).json()
+        assert strs["token_strs"] == vocab.convert_ids_to_tokens(strs["tokens"])
+        assert len(strs["token_strs"]) == strs["count"] > len(text)
+        assert strs["token_strs"][0] in ("<s>", "<|im_start|>")  # BOS, the template's first
 
 
 def test_tokenize_renders_messages_as_a_chat_and_detokenize_reads_them_back(
@@ -541,7 +549,7 @@ def test_tokenizer_endpoints_refuse_what_they_cannot_serve(cluster: Cluster) -> 
         ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400,
          "prompt"),
         ("/tokenize", {"model": BASE}, 400, "prompt"),
-        ("/tokenize", {"prompt": "a", "return_token_strs": True}, 400, "return_token_strs"),
+        ("/tokenize", {"prompt": "a", "return_token_strs": "yes"}, 400, "return_token_strs"),
         ("/tokenize", {"messages": [{"role": "user", "content": "b"}],
                        "add_generation_prompt": False}, 400, "add_generation_prompt"),
         ("/tokenize", {"messages": [{"role": "wizard", "content": "b"}]}, 400,

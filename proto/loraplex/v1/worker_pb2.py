@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from loraplex.v1 import generation_pb2 as loraplex_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18loraplex/v1/worker.proto\x12\x0bloraplex.v1\x1a\x1cloraplex/v1/generation.proto\"\"\n\x0fPrefetchRequest\x12\x0f\n\x07\x64igests\x18\x01 \x03(\t\"#\n\x10PrefetchResponse\x12\x0f\n\x07started\x18\x01 \x01(\r\"\xa2\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.loraplex.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x03 \x01(\x0b\x32\x19.loraplex.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\x42\x08\n\x06prompt\"J\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"\x8b\x02\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x16\n\x0e\x61\x64\x61pter_digest\x18\x03 \x01(\t\x12\x0e\n\x04text\x18\x04 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x15.loraplex.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x07 \x01(\x0b\x32\x19.loraplex.v1.ChatMessagesH\x00\x12+\n\x06params\x18\x06 \x01(\x0b\x32\x1b.loraplex.v1.SamplingParams\x12\x14\n\x0c\x61\x64\x61pter_name\x18\x08 \x01(\tB\x08\n\x06prompt\"\x0f\n\rStatusRequest\"\x94\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07serving\x18\x02 \x01(\x08\x12\x13\n\x0bqueue_depth\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x11\n\tmax_queue\x18\x05 \x01(\r\x12\x11\n\tnum_pages\x18\x06 \x01(\r\x12\x16\n\x0enum_free_pages\x18\x07 \x01(\r\x12\x14\n\x0cnum_kv_pages\x18\x08 \x01(\r\x12\x19\n\x11num_adapter_pages\x18\t \x01(\r\x12\x19\n\x11resident_adapters\x18\n \x03(\t\x12\x15\n\rhost_adapters\x18\x0b \x03(\t\x12\x15\n\rmax_model_len\x18\x0c \x01(\r2\xa9\x02\n\x06Worker\x12L\n\x08Generate\x12\".loraplex.v1.WorkerGenerateRequest\x1a\x1a.loraplex.v1.GenerateChunk0\x01\x12?\n\x06Status\x12\x1a.loraplex.v1.StatusRequest\x1a\x19.loraplex.v1.WorkerStatus\x12G\n\x08Tokenize\x12\x1c.loraplex.v1.TokenizeRequest\x1a\x1d.loraplex.v1.TokenizeResponse\x12G\n\x08Prefetch\x12\x1c.loraplex.v1.PrefetchRequest\x1a\x1d.loraplex.v1.PrefetchResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18loraplex/v1/worker.proto\x12\x0bloraplex.v1\x1a\x1cloraplex/v1/generation.proto\"\"\n\x0fPrefetchRequest\x12\x0f\n\x07\x64igests\x18\x01 \x03(\t\"#\n\x10PrefetchResponse\x12\x0f\n\x07started\x18\x01 \x01(\r\"\xbd\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.loraplex.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x03 \x01(\x0b\x32\x19.loraplex.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\x12\x19\n\x11return_token_strs\x18\x05 \x01(\x08\x42\x08\n\x06prompt\"^\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\ntoken_strs\x18\x04 \x03(\t\"\x8b\x02\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x16\n\x0e\x61\x64\x61pter_digest\x18\x03 \x01(\t\x12\x0e\n\x04text\x18\x04 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x15.loraplex.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x07 \x01(\x0b\x32\x19.loraplex.v1.ChatMessagesH\x00\x12+\n\x06params\x18\x06 \x01(\x0b\x32\x1b.loraplex.v1.SamplingParams\x12\x14\n\x0c\x61\x64\x61pter_name\x18\x08 \x01(\tB\x08\n\x06prompt\"\x0f\n\rStatusRequest\"\x94\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07serving\x18\x02 \x01(\x08\x12\x13\n\x0bqueue_depth\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x11\n\tmax_queue\x18\x05 \x01(\r\x12\x11\n\tnum_pages\x18\x06 \x01(\r\x12\x16\n\x0enum_free_pages\x18\x07 \x01(\r\x12\x14\n\x0cnum_kv_pages\x18\x08 \x01(\r\x12\x19\n\x11num_adapter_pages\x18\t \x01(\r\x12\x19\n\x11resident_adapters\x18\n \x03(\t\x12\x15\n\rhost_adapters\x18\x0b \x03(\t\x12\x15\n\rmax_model_len\x18\x0c \x01(\r2\xa9\x02\n\x06Worker\x12L\n\x08Generate\x12\".loraplex.v1.WorkerGenerateRequest\x1a\x1a.loraplex.v1.GenerateChunk0\x01\x12?\n\x06Status\x12\x1a.loraplex.v1.StatusRequest\x1a\x19.loraplex.v1.WorkerStatus\x12G\n\x08Tokenize\x12\x1c.loraplex.v1.TokenizeRequest\x1a\x1d.loraplex.v1.TokenizeResponse\x12G\n\x08Prefetch\x12\x1c.loraplex.v1.PrefetchRequest\x1a\x1d.loraplex.v1.PrefetchResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,15 +37,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFETCHRESPONSE']._serialized_start=107
   _globals['_PREFETCHRESPONSE']._serialized_end=142
   _globals['_TOKENIZEREQUEST']._serialized_start=145
-  _globals['_TOKENIZEREQUEST']._serialized_end=307
-  _globals['_TOKENIZERESPONSE']._serialized_start=309
-  _globals['_TOKENIZERESPONSE']._serialized_end=383
-  _globals['_WORKERGENERATEREQUEST']._serialized_start=386
-  _globals['_WORKERGENERATEREQUEST']._serialized_end=653
-  _globals['_STATUSREQUEST']._serialized_start=655
-  _globals['_STATUSREQUEST']._serialized_end=670
-  _globals['_WORKERSTATUS']._serialized_start=673
-  _globals['_WORKERSTATUS']._serialized_end=949
-  _globals['_WORKER']._serialized_start=952
-  _globals['_WORKER']._serialized_end=1249
+  _globals['_TOKENIZEREQUEST']._serialized_end=334
+  _globals['_TOKENIZERESPONSE']._serialized_start=336
+  _globals['_TOKENIZERESPONSE']._serialized_end=430
+  _globals['_WORKERGENERATEREQUEST']._serialized_start=433
+  _globals['_WORKERGENERATEREQUEST']._serialized_end=700
+  _globals['_STATUSREQUEST']._serialized_start=702
+  _globals['_STATUSREQUEST']._serialized_end=717
+  _globals['_WORKERSTATUS']._serialized_start=720
+  _globals['_WORKERSTATUS']._serialized_end=996
+  _globals['_WORKER']._serialized_start=999
+  _globals['_WORKER']._serialized_end=1296
 # @@protoc_insertion_point(module_scope)

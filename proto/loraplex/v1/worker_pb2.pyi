@@ -20,26 +20,30 @@ class PrefetchResponse(_message.Message):
     def __init__(self, started: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "messages", "add_special_tokens")
+    __slots__ = ("text", "token_ids", "messages", "add_special_tokens", "return_token_strs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_TOKEN_STRS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _generation_pb2.TokenIds
     messages: _generation_pb2.ChatMessages
     add_special_tokens: bool
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[_generation_pb2.TokenIds, _Mapping]] = ..., messages: _Optional[_Union[_generation_pb2.ChatMessages, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
+    return_token_strs: bool
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[_generation_pb2.TokenIds, _Mapping]] = ..., messages: _Optional[_Union[_generation_pb2.ChatMessages, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., return_token_strs: _Optional[bool] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "max_model_len")
+    __slots__ = ("token_ids", "text", "max_model_len", "token_strs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_STRS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     max_model_len: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    token_strs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., max_model_len: _Optional[int] = ..., token_strs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WorkerGenerateRequest(_message.Message):
     __slots__ = ("request_id", "tenant", "adapter_digest", "text", "token_ids", "messages", "params", "adapter_name")
