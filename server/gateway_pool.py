@@ -23,14 +23,14 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 import grpc
 
 from loraplex.server.api import GenerateChunk, ServiceError, WorkerRequest, WorkerStatus
+from loraplex.server.gateway_warm import Warmer
 from loraplex.server.metrics import GatewayMetrics
-from loraplex.server.router import Route, WorkerSnapshot, affinity_worker, route
+from loraplex.server.router import Route, WorkerSnapshot, route
 from loraplex.server.wire.stubs import WorkerStub
 from loraplex.server.worker import MAX_MESSAGE_BYTES, format_address
 
 logger = logging.getLogger(__name__)
 
-WARM_TIMEOUT_SECONDS = 5.0  # a Prefetch call (it only starts the loads)
 
 CHANNEL_OPTIONS = [
     # A restarted worker is found again within about a second, not after minutes of backoff.
@@ -189,11 +189,12 @@ class WorkerPool:
         self.status_interval = status_interval
         self.dns_refresh = dns_refresh
         self.load_factor = load_factor
-        self._on_change = on_change or (lambda: None)
+        self._on_workers_change = on_change or (lambda: None)
         self._handles: dict[str, WorkerHandle] = {}
         self._resolved: dict[tuple[str, int], set[str]] = {}
         self._dns_task: asyncio.Task[None] | None = None
-        self._warming: set[asyncio.Task[None]] = set()
+        self.warmer = Warmer(self.snapshots, lambda address: self._handles[address].stub,
+                             metrics)
 
     async def start(self) -> None:
         """Resolve the targets, poll every worker once, then keep polling in the background."""
@@ -204,8 +205,7 @@ class WorkerPool:
     async def close(self) -> None:
         if self._dns_task is not None:
             self._dns_task.cancel()
-        for task in list(self._warming):
-            task.cancel()
+        self.warmer.close()
         for handle in list(self._handles.values()):
             await handle.close()
         self._handles.clear()
@@ -219,32 +219,22 @@ class WorkerPool:
 
     def route(self, digest: str | None, exclude: frozenset[str] = frozenset()) -> Route:
         """The router's pure policy over the current snapshots."""
+        if digest:
+            self.warmer.note(digest)
         return route(digest, self.snapshots(), self.load_factor, exclude)
+
+    def _on_change(self) -> None:
+        """A worker came up or went down: the gateway's hook, then the adapters whose
+        affinity worker moved are warmed on their new one."""
+        self._on_workers_change()
+        self.warmer.workers_changed()
 
     def handle(self, address: str) -> WorkerHandle:
         return self._handles[address]
 
     def warm(self, digest: str) -> None:
-        """Ask the worker a new adapter lands on (``router.affinity_worker``) to load it into
-        its host cache now, so that its first request waits only for the copy into the pool
-        (on the event loop; best effort, in the background: a failure is logged, never
-        raised)."""
-        address = affinity_worker(digest, self.snapshots())
-        if address is None:
-            return
-        task = asyncio.create_task(self._warm(self._handles[address], digest))
-        self._warming.add(task)
-        task.add_done_callback(self._warming.discard)
-
-    async def _warm(self, handle: WorkerHandle, digest: str) -> None:
-        try:
-            started = await handle.stub.prefetch((digest,), timeout=WARM_TIMEOUT_SECONDS)
-        except ServiceError as exc:
-            logger.info("worker %s: prefetch of adapter %s refused: %s", handle.address,
-                        digest[:12], exc)
-            self.metrics.adapter_warms.labels(result="refused").inc()
-            return
-        self.metrics.adapter_warms.labels(result="started" if started else "cached").inc()
+        """An adapter was uploaded: warm it on the worker its requests will land on."""
+        self.warmer.upload(digest)
 
     def mark_unhealthy(self, address: str, reason: str) -> None:
         """A call found the worker gone (``reason`` ``transport``) or refusing all work

@@ -118,9 +118,10 @@ class GatewayMetrics(RequestMetrics):
                                "Adapter uploads by tenant and final gRPC status",
                                ["tenant", "code"], registry=registry)
         self.adapter_warms = Counter(
-            "loraplex_gateway_adapter_warms", "Prefetches of uploaded adapters into a worker's "
-            "host cache, by result: started, cached (resident, cached or loading there "
-            "already), refused (the call failed)", ["result"], registry=registry)
+            "loraplex_gateway_adapter_warms", "Adapters prefetched into a worker's host cache "
+            "(each upload, and recently routed adapters whose worker changed), by result: "
+            "started, cached (resident, cached or loading there already), refused (the call "
+            "failed)", ["result"], registry=registry)
 
 
 class WorkerMetrics(RequestMetrics):

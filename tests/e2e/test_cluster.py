@@ -143,8 +143,45 @@ def test_worker_prefetch_refuses_malformed_digests(pair: Cluster) -> None:
         assert client.generate("still", max_tokens=2).usage.completion_tokens == 2
 
 
+def test_adapters_follow_their_worker_out_and_back(model_dir: Path, tmp_path: Path,
+                                                  adapter_dirs: dict[str, Path]) -> None:
+    # A worker that leaves routing hands its adapters to their next choice, warmed there
+    # before any request; when it returns they are warmed on it again (here it never lost
+    # them: the calls answer "cached").
+    c = Cluster(model_dir, tmp_path / "store", num_workers=2, gateway={"status_interval": 0.05})
+    try:
+        with c.client() as client:
+            digests = {client.upload_adapter(path, name).digest
+                       for name, path in adapter_dirs.items()}
+        ids = [w.service.worker_id for w in c.workers]  # type: ignore[union-attr]
+        homes = {d: max(range(2), key=lambda i: rendezvous_score(d, ids[i])) for d in digests}
+        for d, home in homes.items():
+            wait_for(lambda d=d, home=home: d in c.stats(home).host_adapters, timeout=30,
+                     what="each upload warmed on its home")
+        leaving = homes[min(digests)]
+        theirs = {d for d, home in homes.items() if home == leaving}
+        assert not theirs & set(c.stats(1 - leaving).host_adapters)
+        cached = _warms(c).get("cached", 0)
+
+        async def lose() -> None:  # as a failed call marks it, until its next Status poll
+            c.gateway.pool.mark_unhealthy(c.workers[leaving].address, "transport")
+
+        c.loop.run(lose())
+        wait_for(lambda: theirs <= set(c.stats(1 - leaving).host_adapters), timeout=30,
+                 what="the leaving worker's adapters warmed on the other")
+        wait_for(lambda: c.gateway.pool.num_healthy == 2, what="the worker back")
+        wait_for(lambda: _warms(c).get("cached", 0) >= cached + len(theirs),
+                 what="its adapters sent back to it")
+    finally:
+        c.close()
+
+
 def test_drain_turns_health_not_serving_and_lets_in_flight_finish(pair: Cluster) -> None:
-    worker = pair.workers[1]
+    # the worker drained is alpha's home, so that the drain moves at least one adapter
+    ids = [w.service.worker_id for w in pair.workers]  # type: ignore[union-attr]
+    alpha = pair.store.resolve("default", "alpha").digest
+    home = max(range(2), key=lambda i: rendezvous_score(alpha, ids[i]))
+    worker, keep = pair.workers[home], 1 - home
     with pair.client() as client, grpc.insecure_channel(worker.address) as channel:
         worker_health = ClientStub(channel)
         # Base-model requests go to the least-loaded worker: two long streams, one each. The
@@ -161,13 +198,23 @@ def test_drain_turns_health_not_serving_and_lets_in_flight_finish(pair: Cluster)
             assert next(streams[-1]).token_ids
         assert worker.service.num_active == 1  # type: ignore[union-attr]
 
+        digests = {pair.store.resolve("default", n).digest for n in ("alpha", "beta", "gamma")}
+        moved = {d for d in digests if d not in pair.stats(keep).host_adapters}
+        assert alpha in moved
+        started = _warms(pair).get("started", 0)
+
         # A draining worker: NOT_SERVING, out of the gateway's rotation, in-flight finishes.
         worker_draining = pair.loop.submit(worker.drain(grace_seconds=30))
         wait_for(lambda: worker_health.health() == "NOT_SERVING", what="worker health")
         assert worker_health.health("loraplex.liveness") == "SERVING"  # alive while draining
         wait_for(lambda: pair.gateway.pool.num_healthy == 1, what="gateway drops the worker")
         assert worker.service.num_active == 1  # type: ignore[union-attr]
-        for name in ("alpha", "beta", "gamma"):  # whatever their home, worker 0 serves them
+        # the adapters routed before are warmed on the other worker (their home now) before
+        # any request names them
+        wait_for(lambda: digests <= set(pair.stats(keep).host_adapters), timeout=30,
+                 what="the drained worker's adapters warmed on the other")
+        assert _warms(pair).get("started", 0) >= started + len(moved)
+        for name in ("alpha", "beta", "gamma"):  # whatever their home, the other serves them
             assert client.generate("after", name, max_tokens=2).usage.completion_tokens == 2
 
         # A draining gateway: NOT_SERVING, new requests UNAVAILABLE, in-flight finishes.

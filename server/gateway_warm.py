@@ -1,0 +1,99 @@
+"""Adapters loaded into a worker's host cache before their requests reach it (the worker's
+``Prefetch``), so that a request waits only for the copy into the pool:
+
+* **an upload**, on the worker its requests will land on (``router.affinity_worker``);
+* **a change of workers**: when one joins, leaves or comes back, the adapters the gateway
+  routed recently (the last ``RECENT_ADAPTERS`` digests) whose affinity worker changed are
+  warmed on their new one (a worker lost hands its adapters to their next choices; a worker
+  restarted gets its adapters back with an empty cache).
+
+Best effort, in the background on the event loop: a failed call is counted and logged, never
+raised. A worker never evicts for a warm load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+from loraplex.server.api import ServiceError
+from loraplex.server.metrics import GatewayMetrics
+from loraplex.server.router import WorkerSnapshot, affinity_worker
+from loraplex.server.wire.stubs import WorkerStub
+from loraplex.server.worker import MAX_PREFETCH
+
+logger = logging.getLogger(__name__)
+
+WARM_TIMEOUT_SECONDS = 5.0  # a Prefetch call (it only starts the loads)
+RECENT_ADAPTERS = 4096  # digests remembered for re-warming after a change of workers
+
+
+class Warmer:
+    """Sends ``Prefetch`` calls for uploads and after changes of workers.
+
+    Args:
+        snapshots: the workers' current snapshots (the router's view).
+        stub: the worker stub of an address.
+        metrics: ``adapter_warms`` counts each call's result by digest.
+    """
+
+    def __init__(self, snapshots: Callable[[], list[WorkerSnapshot]],
+                 stub: Callable[[str], WorkerStub], metrics: GatewayMetrics) -> None:
+        self._snapshots = snapshots
+        self._stub = stub
+        self._metrics = metrics
+        # digest -> its affinity worker when last looked at, most recently routed last
+        self._recent: OrderedDict[str, str | None] = OrderedDict()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def note(self, digest: str) -> None:
+        """A request was routed for ``digest``: remember it (and its affinity worker now)."""
+        if digest in self._recent:
+            self._recent.move_to_end(digest)
+            return
+        self._recent[digest] = affinity_worker(digest, self._snapshots())
+        if len(self._recent) > RECENT_ADAPTERS:
+            self._recent.popitem(last=False)
+
+    def upload(self, digest: str) -> None:
+        """An adapter was stored: warm it on its affinity worker (and remember it)."""
+        self._recent.pop(digest, None)
+        self.note(digest)
+        home = self._recent[digest]
+        if home is not None:
+            self._send(home, [digest])
+
+    def workers_changed(self) -> None:
+        """Warm each remembered adapter whose affinity worker changed on its new one."""
+        snapshots = self._snapshots()
+        moved: dict[str, list[str]] = {}
+        for digest, old in self._recent.items():
+            home = affinity_worker(digest, snapshots)
+            if home is not None and home != old:
+                moved.setdefault(home, []).append(digest)
+            self._recent[digest] = home
+        for address, digests in moved.items():
+            for i in range(0, len(digests), MAX_PREFETCH):
+                self._send(address, digests[i:i + MAX_PREFETCH])
+
+    def _send(self, address: str, digests: Sequence[str]) -> None:
+        task = asyncio.get_running_loop().create_task(self._prefetch(address, tuple(digests)))
+        self._tasks.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self._tasks.discard)
+
+    async def _prefetch(self, address: str, digests: tuple[str, ...]) -> None:
+        try:
+            started = await self._stub(address).prefetch(digests, timeout=WARM_TIMEOUT_SECONDS)
+        except (ServiceError, KeyError) as exc:  # KeyError: the worker was removed meanwhile
+            logger.info("worker %s: prefetch of %d adapter(s) refused: %s", address,
+                        len(digests), exc)
+            self._metrics.adapter_warms.labels(result="refused").inc(len(digests))
+            return
+        self._metrics.adapter_warms.labels(result="started").inc(started)
+        self._metrics.adapter_warms.labels(result="cached").inc(len(digests) - started)
+
+    def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
