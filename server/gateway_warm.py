@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
 
 from loraplex.server.api import ServiceError
 from loraplex.server.metrics import GatewayMetrics
@@ -28,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 WARM_TIMEOUT_SECONDS = 5.0  # a Prefetch call (it only starts the loads)
 RECENT_ADAPTERS = 4096  # digests remembered for re-warming after a change of workers
+REWARM_SLICE = 256  # digests re-hashed between yields to the event loop
 
 
 class Warmer:
@@ -47,6 +49,7 @@ class Warmer:
         # digest -> its affinity worker when last looked at, most recently routed last
         self._recent: OrderedDict[str, str | None] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._rewarming = asyncio.Lock()
 
     def note(self, digest: str) -> None:
         """A request was routed for ``digest``: remember it (and its affinity worker now)."""
@@ -66,20 +69,32 @@ class Warmer:
             self._send(home, [digest])
 
     def workers_changed(self) -> None:
-        """Warm each remembered adapter whose affinity worker changed on its new one."""
-        snapshots = self._snapshots()
-        moved: dict[str, list[str]] = {}
-        for digest, old in self._recent.items():
-            home = affinity_worker(digest, snapshots)
-            if home is not None and home != old:
-                moved.setdefault(home, []).append(digest)
-            self._recent[digest] = home
-        for address, digests in moved.items():
-            for i in range(0, len(digests), MAX_PREFETCH):
-                self._send(address, digests[i:i + MAX_PREFETCH])
+        """Warm each remembered adapter whose affinity worker changed on its new one (in the
+        background: 4096 digests over 16 workers take ~45 ms of rendezvous hashing, done in
+        slices so that the event loop keeps serving)."""
+        self._spawn(self._rewarm())
+
+    async def _rewarm(self) -> None:
+        async with self._rewarming:  # one at a time, each on the snapshots when it starts
+            snapshots = self._snapshots()
+            moved: dict[str, list[str]] = {}
+            for n, (digest, old) in enumerate(list(self._recent.items())):
+                if n and n % REWARM_SLICE == 0:
+                    await asyncio.sleep(0)
+                home = affinity_worker(digest, snapshots)
+                if home is not None and home != old:
+                    moved.setdefault(home, []).append(digest)
+                if digest in self._recent:  # not dropped by note() meanwhile
+                    self._recent[digest] = home
+            for address, digests in moved.items():
+                for i in range(0, len(digests), MAX_PREFETCH):
+                    self._send(address, digests[i:i + MAX_PREFETCH])
 
     def _send(self, address: str, digests: Sequence[str]) -> None:
-        task = asyncio.get_running_loop().create_task(self._prefetch(address, tuple(digests)))
+        self._spawn(self._prefetch(address, tuple(digests)))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)  # held until done: the loop keeps only weak references
         task.add_done_callback(self._tasks.discard)
 
