@@ -31,7 +31,6 @@ from loraplex.server.worker import MAX_MESSAGE_BYTES, format_address
 
 logger = logging.getLogger(__name__)
 
-
 CHANNEL_OPTIONS = [
     # A restarted worker is found again within about a second, not after minutes of backoff.
     ("grpc.initial_reconnect_backoff_ms", 100),

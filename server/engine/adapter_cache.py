@@ -24,7 +24,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import torch
 
@@ -109,7 +109,7 @@ def _all_finite(t: torch.Tensor) -> bool:
 
 
 def _raise_not_finite(adapter: CanonicalAdapter, layout: AdapterLayout, flat: torch.Tensor,
-                      dtype: torch.dtype) -> None:
+                      dtype: torch.dtype) -> NoReturn:
     """Name the first tensor of ``adapter`` that is not finite in its page region."""
     for (layer, module), (a, b) in adapter.weights.items():
         for half, off, t in (("A", layout.a_offsets[module], a),
