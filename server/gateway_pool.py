@@ -218,9 +218,10 @@ class WorkerPool:
 
     def route(self, digest: str | None, exclude: frozenset[str] = frozenset()) -> Route:
         """The router's pure policy over the current snapshots."""
+        snapshots = self.snapshots()
         if digest:
-            self.warmer.note(digest)
-        return route(digest, self.snapshots(), self.load_factor, exclude)
+            self.warmer.note(digest, snapshots)
+        return route(digest, snapshots, self.load_factor, exclude)
 
     def _on_change(self) -> None:
         """A worker came up or went down: the gateway's hook, then the adapters whose

@@ -51,12 +51,14 @@ class Warmer:
         self._tasks: set[asyncio.Task[None]] = set()
         self._rewarming = asyncio.Lock()
 
-    def note(self, digest: str) -> None:
-        """A request was routed for ``digest``: remember it (and its affinity worker now)."""
+    def note(self, digest: str, snapshots: list[WorkerSnapshot] | None = None) -> None:
+        """A request was routed for ``digest``: remember it (and its affinity worker now,
+        among ``snapshots``: the router's, or fresh ones when None)."""
         if digest in self._recent:
             self._recent.move_to_end(digest)
             return
-        self._recent[digest] = affinity_worker(digest, self._snapshots())
+        self._recent[digest] = affinity_worker(
+            digest, snapshots if snapshots is not None else self._snapshots())
         if len(self._recent) > RECENT_ADAPTERS:
             self._recent.popitem(last=False)
 
