@@ -121,17 +121,22 @@ class WorkerHandle:
     def _set_gauge(self) -> None:
         self._metrics.inflight.labels(worker=self.address).set(len(self._sent))
 
-    def set_healthy(self, healthy: bool, reason: str = "") -> None:
-        """Mark the worker up or down; a fall from up counts as lost by ``reason``."""
-        if healthy != self.healthy:
+    def set_healthy(self, healthy: bool, reason: str = "") -> bool:
+        """Mark the worker up or down (True: that changed it); a fall from up counts as lost
+        by ``reason``."""
+        changed = healthy != self.healthy
+        if changed:
             logger.info("worker %s is %s%s", self.address, "up" if healthy else "down",
                         f" ({reason})" if reason and not healthy else "")
             if not healthy:
                 self._metrics.workers_lost.labels(reason=reason or "unreachable").inc()
         self.healthy = healthy
         self._metrics.worker_up.labels(worker=self.address).set(1 if healthy else 0)
+        return changed
 
-    async def poll_once(self, timeout: float) -> None:
+    async def poll_once(self, timeout: float) -> bool:
+        """Ask the worker's ``Status``; True when the answer (or its failure) changed whether
+        the worker is up."""
         sent = time.monotonic()
         try:
             self.status = await self.stub.status(None, timeout=timeout)
@@ -142,18 +147,18 @@ class WorkerHandle:
             if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 self._missed += 1
                 if self._missed < MISSED_POLLS_UNHEALTHY:
-                    return
-            self.set_healthy(False, "unreachable")
-            return
+                    return False
+            return self.set_healthy(False, "unreachable")
         self._missed = 0
-        self.set_healthy(self.status.serving, "not_serving")
+        return self.set_healthy(self.status.serving, "not_serving")
 
     async def poll(self, interval: float, on_change: Callable[[], None]) -> None:
         while not self.removed:
             start = time.monotonic()
-            was = self.healthy
-            await self.poll_once(timeout=max(1.0, 4 * interval))
-            if self.healthy != was:
+            # the change this poll made, not a comparison with before it: a call that marked
+            # the worker down while the poll was in flight (mark_unhealthy, which says so
+            # itself) would hide the poll's bringing it back up
+            if await self.poll_once(timeout=max(1.0, 4 * interval)):
                 on_change()
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - start)))
 

@@ -170,7 +170,7 @@ def test_adapters_follow_their_worker_out_and_back(model_dir: Path, tmp_path: Pa
         wait_for(lambda: theirs <= set(c.stats(1 - leaving).host_adapters), timeout=30,
                  what="the leaving worker's adapters warmed on the other")
         wait_for(lambda: c.gateway.pool.num_healthy == 2, what="the worker back")
-        wait_for(lambda: _warms(c).get("cached", 0) >= cached + len(theirs),
+        wait_for(lambda: _warms(c).get("cached", 0) >= cached + len(theirs), timeout=30,
                  what="its adapters sent back to it")
     finally:
         c.close()
