@@ -15,11 +15,14 @@ for both: uploaded to loraplex over gRPC, given to vLLM as ``--lora-modules`` wi
 One server at a time, in ``--phases`` order (default ``loraplex,vllm,loraplex``: vLLM's phase
 bracketed; ``loraplex-base`` and ``vllm-base`` are the same servers' base models, every
 request naming the base model: issue 21's "64 adapters at the speed vLLM serves none" is
-``loraplex`` against ``vllm-base``), each warmed with one short client run first; each run's
-server CPU seconds are read from its whole process tree (vLLM's API server, engine core and
-worker). Every server computes on ``--threads`` threads (default one: loraplex's
-``OMP_NUM_THREADS``, vLLM's worker ``VLLM_CPU_OMP_THREADS_BIND=0``, no core reserved); the
-client shares the machine alike for both. Both get ``--memory-gib`` of cache: loraplex's
+``loraplex`` against ``vllm-base``; ``loraplex-split`` and ``loraplex-split-base`` are
+loraplex as deployed, a ``loraplex gateway`` process in front of a ``loraplex worker``
+process, where ``loraplex`` is ``loraplex serve``, both in one), each warmed with one short
+client run first; each run's server CPU seconds are read from its whole process tree (vLLM's
+API server, engine core and worker; loraplex's gateway and worker). Every server computes on
+``--threads`` threads (default one: loraplex's ``OMP_NUM_THREADS``, its worker's with the
+split systems; vLLM's worker ``VLLM_CPU_OMP_THREADS_BIND=0``, no core reserved); the client
+shares the machine alike for both. Both get ``--memory-gib`` of cache: loraplex's
 unified pool holds the KV pages and the adapters in it, vLLM's KV cache only the KV (its LoRA
 slots are memory of their own).
 
@@ -53,15 +56,18 @@ from vllm_peer import peer_python, peer_version, process_cpu_s, threads_bind  # 
 from vllm_serve import VLLM_CLI, VllmServer, cpu_delta  # noqa: E402
 
 from loraplex.loadtest.adapters import ensure_adapter_dirs, upload_missing  # noqa: E402,I001
-from loraplex.loadtest.local_server import LocalServer  # noqa: E402
+from loraplex.loadtest.local_server import LocalCluster, LocalServer  # noqa: E402
 from loraplex.loadtest.trace import adapter_name  # noqa: E402
 from loraplex.server import env  # noqa: E402
 from loraplex.server.client import AsyncClient  # noqa: E402
 from loraplex.server.engine.models.config import ModelConfig  # noqa: E402
 
-SYSTEMS = ("loraplex", "vllm", "loraplex-base", "vllm-base")
+SYSTEMS = ("loraplex", "vllm", "loraplex-base", "vllm-base", "loraplex-split",
+           "loraplex-split-base")
 # (ours, theirs) compared in the report, where both ran
-PAIRS = (("loraplex", "vllm"), ("loraplex", "vllm-base"), ("loraplex-base", "vllm-base"))
+PAIRS = (("loraplex", "vllm"), ("loraplex", "vllm-base"), ("loraplex-base", "vllm-base"),
+         ("loraplex-split", "vllm-base"), ("loraplex-split-base", "vllm-base"),
+         ("loraplex-split", "loraplex"), ("loraplex-split-base", "loraplex-base"))
 # what the table shows of each run, from the client's result file (milliseconds but tok/s)
 METRICS = ("output_throughput", "request_throughput", "p50_ttft_ms", "p99_ttft_ms",
            "p50_tpot_ms", "p99_tpot_ms", "p50_itl_ms", "p99_itl_ms", "p50_e2el_ms",
@@ -88,7 +94,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-prefill-chunk", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="both servers")
     p.add_argument("--max-num-seqs", type=int, default=256, help="both servers")
-    p.add_argument("--serve-args", default="", help="more `loraplex serve` flags")
+    p.add_argument("--serve-args", default="",
+                   help="more `loraplex serve` flags (`loraplex worker` ones for the split "
+                        "systems)")
     p.add_argument("--threads", type=int, default=1,
                    help="each server's compute threads: loraplex's OMP_NUM_THREADS, vLLM's "
                         "worker bound to cores 0..threads-1")
@@ -264,16 +272,17 @@ class Bench:
         self.runs: list[dict] = []
         self.phases: list[dict] = []
 
-    def measure(self, system: str, base_url: str, model: str, pid: int, phase: int) -> None:
+    def measure(self, system: str, base_url: str, model: str, pids: Sequence[int],
+                phase: int) -> None:
         args = self.args
         for rate in rates(args):
             name = f"{system}-rate{rate:g}-p{phase}"
-            cpu0, t0 = process_cpu_s(pid), time.monotonic()
+            cpu0, t0 = processes_cpu_s(pids), time.monotonic()
             result = run_client(client_argv(args, base_url, model, self.path, rate, args.out,
                                             f"{name}.json", base=system.endswith("-base")),
                                 args.out / f"{name}.json", args.out / f"{name}.log",
                                 args.run_timeout)
-            cpu = cpu_delta(cpu0, process_cpu_s(pid))
+            cpu = cpu_delta(cpu0, processes_cpu_s(pids))
             self.runs.append({"system": system, "rate": f"{rate:g}", "phase": phase,
                               "wall_s": time.monotonic() - t0, "cpu_s": sum(cpu.values()),
                               "cpu_by_process": cpu, "load_after": os.getloadavg()[0],
@@ -297,17 +306,22 @@ class Bench:
                  "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                  "--max-num-seqs", str(args.max_num_seqs), "--max-rank", "16",
                  *args.serve_args.split()]
-        with LocalServer(model=self.path if args.model == "bench" else args.model,
-                         serve_args=serve, data_dir=args.out / f"loraplex-phase{phase}",
-                         env={"OMP_NUM_THREADS": str(args.threads)},
-                         startup_timeout_s=600.0) as server:
-            if system == "loraplex":
+        model_arg = self.path if args.model == "bench" else args.model
+        common = {"data_dir": args.out / f"loraplex-phase{phase}",
+                  "env": {"OMP_NUM_THREADS": str(args.threads)}, "startup_timeout_s": 600.0}
+        gateway = ["--max-rank", "16"]
+        server = (LocalCluster(model_arg, worker_args=serve, gateway_args=gateway, **common)
+                  if system.startswith("loraplex-split")
+                  else LocalServer(model_arg, serve_args=serve, **common))
+        with server:
+            if not system.endswith("-base"):
                 asyncio.run(self._upload(server.address))
             base_url = server.http_url.removesuffix("/v1")
             model = base_model(server.http_url)
             self.warm(system, base_url, model, phase)
-            self.measure(system, base_url, model, server.pid, phase)
-        return {"system": system, "serve_args": serve}
+            self.measure(system, base_url, model, server.pids, phase)
+        return {"system": system, "serve_args": serve,
+                **({"gateway_args": gateway} if isinstance(server, LocalCluster) else {})}
 
     async def _upload(self, address: str) -> None:
         client = AsyncClient(address)
@@ -329,9 +343,17 @@ class Bench:
                         log_path=args.out / f"vllm-serve-{phase}.log") as server:
             base_url = server.base_url.removesuffix("/v1")
             self.warm(system, base_url, server.model, phase)
-            self.measure(system, base_url, server.model, server.pid, phase)
+            self.measure(system, base_url, server.model, [server.pid], phase)
             return {"system": system, "startup_s": server.startup_s, "cmd": server.cmd,
                     "env": server.vllm_env}
+
+
+def processes_cpu_s(pids: Sequence[int]) -> dict[str, float]:
+    """``process_cpu_s`` of each of ``pids``' trees, in one mapping."""
+    out: dict[str, float] = {}
+    for pid in pids:
+        out.update(process_cpu_s(pid))
+    return out
 
 
 def base_model(http_url: str) -> str:

@@ -128,3 +128,28 @@ def test_without_the_peer_venv_it_names_make_bench_peers(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="make bench-peers"):
         vbs.main(["--model", "demo", "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()  # nothing built, nothing written
+
+
+def test_the_split_deployment_is_compared_with_vllm_base_and_with_serve():
+    runs = [_run("loraplex", "1", 100.0, 10.0, 1000, 60.0, 90.0),
+            _run("loraplex-split", "1", 110.0, 12.0, 1000, 50.0, 80.0),
+            _run("vllm-base", "1", 100.0, 20.0, 1000, 55.0, 85.0)]
+    q = vbs.ratios(vbs.summarize(runs))
+    assert sorted(q) == ["1 loraplex-split/loraplex", "1 loraplex-split/vllm-base",
+                         "1 loraplex/vllm-base"]
+    assert q["1 loraplex-split/loraplex"]["tok_s"] == pytest.approx(1.1)
+    assert q["1 loraplex-split/loraplex"]["tok_per_cpu_s"] == pytest.approx(10 / 12)
+    assert q["1 loraplex-split/vllm-base"]["ttft_p50"] == pytest.approx(50 / 55)
+    assert vbs.parse_args(["--phases", "loraplex-split,loraplex-split-base"]).phases
+
+
+def test_cpu_seconds_of_several_process_trees_add_up():
+    import os
+
+    import psutil
+
+    me = psutil.Process(os.getpid())
+    cpu = vbs.processes_cpu_s([os.getpid(), os.getppid()])
+    assert f"{me.name()}:{me.pid}" in cpu
+    assert f"{me.parent().name()}:{me.ppid()}" in cpu
+    assert cpu[f"{me.name()}:{me.pid}"] > 0
