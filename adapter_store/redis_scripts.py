@@ -10,6 +10,10 @@ Key layout (``P`` is the store's prefix; names and tenants never contain ``:``):
     P:tenant:<t>:names           set   the tenant's names with at least one version
     P:tenant:<t>:adapter:<name>  hash  version -> record (JSON)
     P:tenant:<t>:adapter:<name>:next    the last version number handed out (never reused)
+
+and one Pub/Sub channel:
+
+    P:stored                     each put's digest, published once its version is committed
 """
 
 from __future__ import annotations

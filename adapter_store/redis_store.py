@@ -10,6 +10,11 @@ against the digest: a missing or damaged chunk is an :class:`AdapterStoreError`,
 adapter. The key layout is in ``redis_scripts.py``. Run Redis with AOF persistence
 (``appendonly yes``); ``appendfsync always`` makes an acknowledged put survive a crash.
 
+After the commit a put publishes its digest on ``P:stored``; ``watch_stored`` subscribes
+(gateways warm the adapter on a worker, whoever pushed it). Pub/Sub is fire and forget: a
+watcher disconnected at that moment misses the message, and that adapter loads at its first
+request as it would unwatched.
+
 Needs one Redis server (or a primary with replicas): the scripts touch keys of several hash
 slots, so Redis Cluster is not supported.
 """
@@ -18,7 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import secrets
+import threading
+import time
 import zlib
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
@@ -31,13 +39,17 @@ from loraplex.adapter_store import redis_scripts
 from loraplex.adapter_store.blob import adapter_from_blob, rechunk, verified_pieces
 from loraplex.adapter_store.errors import AdapterNotFound, AdapterStoreError
 from loraplex.adapter_store.format import CanonicalAdapter
-from loraplex.adapter_store.store import AdapterStore, AdapterVersion, Progress
+from loraplex.adapter_store.store import AdapterStore, AdapterVersion, Progress, check_digest
 from loraplex.server.engine.models.config import ModelConfig
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 MAX_CHUNK_BYTES = 256 << 20
 DEFAULT_PREFIX = "loraplex"
 STAGING_TTL_S = 24 * 3600
+WATCH_POLL_S = 1.0  # how long the watch thread blocks for a message before checking stop
+WATCH_RETRY_S = 2.0  # after the watch lost its connection, before trying again
+
+logger = logging.getLogger(__name__)
 PIPELINE_CHUNKS = 4  # chunks per round trip, each way
 
 T = TypeVar("T")
@@ -140,7 +152,70 @@ class RedisAdapterStore(AdapterStore):
         except BaseException:
             self._discard(staged)
             raise
+        self._announce(record.digest)
         return dataclasses.replace(record, version=version)
+
+    def _announce(self, digest: str) -> None:
+        """Publish a committed put's digest (``watch_stored``). The version stands whatever
+        happens here: a failure is logged, not raised."""
+        try:
+            self.client.publish(self._k("stored"), digest)
+        except redis.RedisError as e:
+            logger.warning("%s: could not announce adapter %s to watching gateways (%s: %s); "
+                           "it loads at its first request", self.label, digest,
+                           type(e).__name__, e)
+
+    def watch_stored(self, callback: Callable[[str], None]) -> Callable[[], None]:
+        """Subscribe to ``P:stored`` on a daemon thread; ``callback`` gets each valid digest
+        (anything else published there is logged and dropped). A lost connection is retried
+        every ``WATCH_RETRY_S`` and subscribes again (logged once until a message comes
+        through); what was published meanwhile is missed.
+
+        Raises:
+            AdapterStoreError: the first subscription failed (nothing is watched).
+        """
+        pubsub = self.client.pubsub()  # the thread ignores confirmations; the first is read here
+        channel = self._k("stored")
+        failing = threading.Event()  # logged once per outage
+
+        def deliver(message: dict[str, Any]) -> None:
+            failing.clear()
+            data = message.get("data")
+            try:
+                digest = check_digest(data.decode("ascii") if isinstance(data, bytes)
+                                      else str(data))
+            except (ValueError, UnicodeDecodeError):
+                logger.warning("%s: %s carried %r, not a digest; ignored", self.label, channel,
+                               data[:80] if isinstance(data, bytes | str) else data)
+                return
+            try:
+                callback(digest)
+            except Exception:  # the watcher's bug must not end the watch
+                logger.exception("%s: the stored-adapter callback failed for %s", self.label,
+                                 digest)
+
+        def lost(exc: BaseException, *_: object) -> None:
+            if not failing.is_set():
+                failing.set()
+                logger.warning("%s: watching %s failed (%s: %s); retrying every %.0f s",
+                               self.label, channel, type(exc).__name__, exc, WATCH_RETRY_S)
+            time.sleep(WATCH_RETRY_S)
+
+        def subscribe() -> None:  # SUBSCRIBE's reply (or refusal) comes as its first message
+            pubsub.subscribe(**{channel: deliver})
+            reply = pubsub.get_message(ignore_subscribe_messages=False, timeout=5.0)
+            if not isinstance(reply, dict) or reply.get("type") != "subscribe":
+                raise redis.ConnectionError(f"SUBSCRIBE {channel} not confirmed ({reply!r})")
+
+        try:
+            self._call(subscribe)
+        except AdapterStoreError:
+            pubsub.close()
+            raise
+        thread = pubsub.run_in_thread(sleep_time=WATCH_POLL_S, daemon=True,
+                                      exception_handler=lost)
+        thread.name = "loraplex-store-watch"
+        return lambda: thread.stop(timeout=WATCH_POLL_S + WATCH_RETRY_S + 1.0)
 
     def _versions(self, tenant: str, name: str) -> list[AdapterVersion]:
         raw = self._call(lambda: self.client.hgetall(self._versions_key(tenant, name)))

@@ -240,6 +240,19 @@ class AdapterStore(ABC):
                                         f"{adapter.base_dims}, this model has {want}")
         return adapter
 
+    def watch_stored(self, callback: Callable[[str], None]) -> Callable[[], None] | None:
+        """Call ``callback(digest)`` for each adapter ``put`` into this store from now on, by
+        any process (a gateway warms the adapter on a worker before its first request).
+
+        Best effort: a backend says what it can miss. The callback runs on a thread of the
+        store's and must not block.
+
+        Returns:
+            A function that stops the watch, or None: this backend announces nothing (the
+            ``fs:`` store; an adapter put there loads at its first request).
+        """
+        return None
+
     @abstractmethod
     def close(self) -> None:
         """Release connections and handles."""

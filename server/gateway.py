@@ -33,7 +33,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
@@ -375,6 +375,7 @@ class Gateway(GrpcHost):
         self._health: services.HealthReporter | None = None
         self._metrics_server: MetricsServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._stop_watch: Callable[[], None] | None = None  # the store's watch, once started
         self.http: HttpServer | None = None
         if config.http_port >= 0:
             from loraplex.server.http.app import OpenAIApp
@@ -426,6 +427,7 @@ class Gateway(GrpcHost):
         await self._health.set_serving(False)
         await self.quotas.backend.start()
         await self.pool.start()
+        self._watch_store()
         await server.start()
         self._server = server
         if self.http is not None:
@@ -438,6 +440,22 @@ class Gateway(GrpcHost):
         await self._update_health()
         logger.info("gateway listening on %s (%d workers, %d healthy)", self.address,
                     len(self.pool.snapshots()), self.pool.num_healthy)
+
+    def _watch_store(self) -> None:
+        """Warm each adapter put into the store by anyone (``loraplex adapters push --store
+        redis://...``, another gateway) as an upload here is warmed; a store that announces
+        nothing (``fs:``) leaves those adapters to load at their first request."""
+        loop = asyncio.get_running_loop()
+
+        def stored(digest: str) -> None:  # on the store's watch thread
+            with contextlib.suppress(RuntimeError):  # the loop closed: the gateway stopped
+                loop.call_soon_threadsafe(self.pool.warm_announced, digest)
+
+        try:
+            self._stop_watch = self.store.watch_stored(stored)
+        except AdapterStoreError as e:
+            logger.warning("not watching the adapter store for pushed adapters (%s); they "
+                           "load at their first request", e)
 
     def _workers_changed(self) -> None:
         task = asyncio.get_running_loop().create_task(self._update_health())
@@ -469,6 +487,9 @@ class Gateway(GrpcHost):
         await super().stop()
 
     async def _release(self) -> None:
+        if self._stop_watch is not None:
+            stop, self._stop_watch = self._stop_watch, None
+            await asyncio.to_thread(stop)  # joins the watch thread
         await self.pool.close()
         await self.quotas.backend.close()
 

@@ -241,6 +241,11 @@ class WorkerPool:
         """An adapter was uploaded: warm it on the worker its requests will land on."""
         self.warmer.upload(digest)
 
+    def warm_announced(self, digest: str) -> None:
+        """The adapter store announced a put (perhaps this gateway's own upload): warm it
+        there unless that was done just now."""
+        self.warmer.announced(digest)
+
     def mark_unhealthy(self, address: str, reason: str) -> None:
         """A call found the worker gone (``reason`` ``transport``) or refusing all work
         (``not_serving``); skip it until a ``Status`` poll succeeds again."""

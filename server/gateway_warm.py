@@ -1,7 +1,11 @@
 """Adapters loaded into a worker's host cache before their requests reach it (the worker's
 ``Prefetch``), so that a request waits only for the copy into the pool:
 
-* **an upload**, on the worker its requests will land on (``router.affinity_worker``);
+* **an upload**, on the worker its requests will land on (``router.affinity_worker``): one
+  through this gateway, or any put the adapter store announces (``watch_stored``: a push
+  straight to a Redis store, an upload through another gateway; the store announces this
+  gateway's own uploads back to it, skipped when warmed there within
+  ``ANNOUNCED_REPEAT_SECONDS``);
 * **a change of workers**: when one joins, leaves or comes back, the adapters the gateway
   routed recently (the last ``RECENT_ADAPTERS`` digests) whose affinity worker changed are
   warmed on their new one (a worker lost hands its adapters to their next choices; a worker
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
@@ -30,6 +35,8 @@ logger = logging.getLogger(__name__)
 WARM_TIMEOUT_SECONDS = 5.0  # a Prefetch call (it only starts the loads)
 RECENT_ADAPTERS = 4096  # digests remembered for re-warming after a change of workers
 REWARM_SLICE = 256  # digests re-hashed between yields to the event loop
+ANNOUNCED_REPEAT_SECONDS = 30.0  # an announced put warmed on that worker this long ago: skip
+ANNOUNCED_DELAY_SECONDS = 0.5  # an announced put waits this long for the upload's own warm
 
 
 class Warmer:
@@ -48,6 +55,9 @@ class Warmer:
         self._metrics = metrics
         # digest -> its affinity worker when last looked at, most recently routed last
         self._recent: OrderedDict[str, str | None] = OrderedDict()
+        # digest -> (worker, when) of each upload's warm, oldest first (an announcement of
+        # the same put skips it)
+        self._uploads: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
         self._rewarming = asyncio.Lock()
 
@@ -67,8 +77,33 @@ class Warmer:
         self._recent.pop(digest, None)
         self.note(digest)
         home = self._recent[digest]
-        if home is not None:
-            self._send(home, [digest])
+        if home is None:
+            return
+        self._forget_uploads(time.monotonic())
+        self._uploads.pop(digest, None)
+        self._uploads[digest] = (home, time.monotonic())
+        self._send(home, [digest])
+
+    def announced(self, digest: str) -> None:
+        """The adapter store announced a put (from anywhere): after ``ANNOUNCED_DELAY_SECONDS``
+        warm it as an upload, unless this gateway warmed it on that worker in the last
+        ``ANNOUNCED_REPEAT_SECONDS`` (its own upload: the store announces a put before the
+        gateway's handler gets it back, hence the delay)."""
+        self._spawn(self._announced(digest))
+
+    async def _announced(self, digest: str) -> None:
+        await asyncio.sleep(ANNOUNCED_DELAY_SECONDS)
+        self._forget_uploads(time.monotonic())
+        done = self._uploads.get(digest)
+        if done is not None and done[0] == affinity_worker(digest, self._snapshots()):
+            self._metrics.adapter_warms.labels(result="repeat").inc()
+            return
+        self.upload(digest)
+
+    def _forget_uploads(self, now: float) -> None:
+        while self._uploads and next(iter(self._uploads.values()))[1] < \
+                now - ANNOUNCED_REPEAT_SECONDS:
+            self._uploads.popitem(last=False)
 
     def workers_changed(self) -> None:
         """Warm each remembered adapter whose affinity worker changed on its new one (in the

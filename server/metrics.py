@@ -119,9 +119,10 @@ class GatewayMetrics(RequestMetrics):
                                ["tenant", "code"], registry=registry)
         self.adapter_warms = Counter(
             "loraplex_gateway_adapter_warms", "Adapters prefetched into a worker's host cache "
-            "(each upload, and recently routed adapters whose worker changed), by result: "
-            "started, cached (resident, cached or loading there already), refused (the call "
-            "failed)", ["result"], registry=registry)
+            "(each upload, each put the adapter store announces, and recently routed adapters "
+            "whose worker changed), by result: started, cached (resident, cached or loading "
+            "there already), refused (the call failed), repeat (an announced put this gateway "
+            "had just warmed there: no call)", ["result"], registry=registry)
 
 
 class WorkerMetrics(RequestMetrics):

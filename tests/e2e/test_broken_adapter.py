@@ -42,7 +42,8 @@ def test_a_corrupt_adapter_fails_alone(cluster: Cluster, redis_url: str, model_d
         for name, path in adapter_dirs.items():
             client.upload_adapter(path, name)
     # Pushed to the store directly, as `loraplex adapters push` does: an upload through the
-    # gateway would warm it into a worker's host cache before the damage below.
+    # gateway would warm it into a worker's host cache before the damage below (a direct
+    # put's announcement is acted on ANNOUNCED_DELAY_SECONDS later: after the damage).
     digest = cluster.store.put("default", "broken", load_adapter(broken_dir, cluster.base)).digest
     # Damage it the way a lost Redis key would: one chunk of its blob gone.
     r = redis.Redis.from_url(redis_url)
