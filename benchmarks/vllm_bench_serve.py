@@ -17,7 +17,8 @@ bracketed; ``loraplex-base`` and ``vllm-base`` are the same servers' base models
 request naming the base model: issue 21's "64 adapters at the speed vLLM serves none" is
 ``loraplex`` against ``vllm-base``; ``loraplex-split`` and ``loraplex-split-base`` are
 loraplex as deployed, a ``loraplex gateway`` process in front of a ``loraplex worker``
-process, where ``loraplex`` is ``loraplex serve``, both in one), each warmed with one short
+process (``--split-workers`` of them, the threads and the cache shared out), where
+``loraplex`` is ``loraplex serve``, both in one), each warmed with one short
 client run first; each run's server CPU seconds are read from its whole process tree (vLLM's
 API server, engine core and worker; loraplex's gateway and worker). Every server computes on
 ``--threads`` threads (default one: loraplex's ``OMP_NUM_THREADS``, its worker's with the
@@ -100,6 +101,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1,
                    help="each server's compute threads: loraplex's OMP_NUM_THREADS, vLLM's "
                         "worker bound to cores 0..threads-1")
+    p.add_argument("--split-workers", type=int, default=1,
+                   help="the split systems' worker processes: the --threads and the "
+                        "--memory-gib shared out among them (threads // workers each, at "
+                        "least one)")
     p.add_argument("--vllm-args", default="", help="more `vllm serve` flags")
     p.add_argument("--slo-ttft-ms", type=float, default=5000.0, help="goodput: TTFT limit")
     p.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput: TPOT limit")
@@ -112,8 +117,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for phase in args.phases.split(","):
         if phase not in SYSTEMS:
             p.error(f"--phases: {phase!r} is not one of {', '.join(SYSTEMS)}")
-    if args.num_adapters < 0 or args.num_prompts < 1 or args.threads < 1:
-        p.error("--num-adapters must be >= 0, --num-prompts and --threads >= 1")
+    if args.num_adapters < 0 or args.num_prompts < 1 or args.threads < 1 \
+            or args.split_workers < 1:
+        p.error("--num-adapters must be >= 0, --num-prompts, --threads and --split-workers "
+                ">= 1")
     try:
         rates(args)
     except ValueError:
@@ -301,18 +308,22 @@ class Bench:
 
     def loraplex_phase(self, system: str, phase: int) -> dict:
         args = self.args
+        split = system.startswith("loraplex-split")
+        workers = args.split_workers if split else 1
+        threads = max(1, args.threads // workers)
         serve = ["--no-enable-prefix-caching", "--min-prefill-chunk", str(args.min_prefill_chunk),
-                 "--pool-memory-bytes", str(args.memory_gib << 30), "--dtype", args.dtype,
+                 "--pool-memory-bytes", str((args.memory_gib << 30) // workers),
+                 "--dtype", args.dtype,
                  "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                  "--max-num-seqs", str(args.max_num_seqs), "--max-rank", "16",
                  *args.serve_args.split()]
         model_arg = self.path if args.model == "bench" else args.model
         common = {"data_dir": args.out / f"loraplex-phase{phase}",
-                  "env": {"OMP_NUM_THREADS": str(args.threads)}, "startup_timeout_s": 600.0}
+                  "env": {"OMP_NUM_THREADS": str(threads)}, "startup_timeout_s": 600.0}
         gateway = ["--max-rank", "16"]
-        server = (LocalCluster(model_arg, worker_args=serve, gateway_args=gateway, **common)
-                  if system.startswith("loraplex-split")
-                  else LocalServer(model_arg, serve_args=serve, **common))
+        server = (LocalCluster(model_arg, worker_args=serve, gateway_args=gateway,
+                               workers=workers, **common)
+                  if split else LocalServer(model_arg, serve_args=serve, **common))
         with server:
             if not system.endswith("-base"):
                 asyncio.run(self._upload(server.address))
@@ -320,8 +331,8 @@ class Bench:
             model = base_model(server.http_url)
             self.warm(system, base_url, model, phase)
             self.measure(system, base_url, model, server.pids, phase)
-        return {"system": system, "serve_args": serve,
-                **({"gateway_args": gateway} if isinstance(server, LocalCluster) else {})}
+        return {"system": system, "serve_args": serve, "threads": threads,
+                **({"gateway_args": gateway, "workers": workers} if split else {})}
 
     async def _upload(self, address: str) -> None:
         client = AsyncClient(address)

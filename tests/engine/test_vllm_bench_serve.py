@@ -115,6 +115,7 @@ def test_each_pair_that_ran_gets_its_ratio():
     (["--rates", "1,fast"], "--rates: numbers or inf"),
     (["--num-prompts", "0"], "--num-prompts"),
     (["--threads", "0"], "--threads"),
+    (["--split-workers", "0"], "--split-workers"),
 ])
 def test_bad_arguments_are_refused_before_anything_starts(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
