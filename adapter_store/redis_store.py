@@ -46,11 +46,11 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 MAX_CHUNK_BYTES = 256 << 20
 DEFAULT_PREFIX = "loraplex"
 STAGING_TTL_S = 24 * 3600
+PIPELINE_CHUNKS = 4  # chunks per round trip, each way
 WATCH_POLL_S = 1.0  # how long the watch thread blocks for a message before checking stop
 WATCH_RETRY_S = 2.0  # after the watch lost its connection, before trying again
 
 logger = logging.getLogger(__name__)
-PIPELINE_CHUNKS = 4  # chunks per round trip, each way
 
 T = TypeVar("T")
 

@@ -427,7 +427,7 @@ class Gateway(GrpcHost):
         await self._health.set_serving(False)
         await self.quotas.backend.start()
         await self.pool.start()
-        self._watch_store()
+        await self._watch_store()
         await server.start()
         self._server = server
         if self.http is not None:
@@ -441,7 +441,7 @@ class Gateway(GrpcHost):
         logger.info("gateway listening on %s (%d workers, %d healthy)", self.address,
                     len(self.pool.snapshots()), self.pool.num_healthy)
 
-    def _watch_store(self) -> None:
+    async def _watch_store(self) -> None:
         """Warm each adapter put into the store by anyone (``loraplex adapters push --store
         redis://...``, another gateway) as an upload here is warmed; a store that announces
         nothing (``fs:``) leaves those adapters to load at their first request."""
@@ -451,8 +451,8 @@ class Gateway(GrpcHost):
             with contextlib.suppress(RuntimeError):  # the loop closed: the gateway stopped
                 loop.call_soon_threadsafe(self.pool.warm_announced, digest)
 
-        try:
-            self._stop_watch = self.store.watch_stored(stored)
+        try:  # off the loop: subscribing waits for the store's reply
+            self._stop_watch = await asyncio.to_thread(self.store.watch_stored, stored)
         except AdapterStoreError as e:
             logger.warning("not watching the adapter store for pushed adapters (%s); they "
                            "load at their first request", e)
