@@ -35,7 +35,31 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-class LocalServer:
+class _Local:
+    """What ``LocalServer`` and ``LocalCluster`` share: the public ports (gRPC, HTTP), the data
+    directory (a temporary one unless given) and the processes' environment."""
+
+    def __init__(self, data_dir: str | os.PathLike[str] | None, env: Mapping[str, str] | None,
+                 startup_timeout_s: float, tmp_prefix: str) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.http_port = free_port()
+        self.http_url = f"http://127.0.0.1:{self.http_port}/v1"  # the OpenAI API's base URL
+        self.startup_timeout_s = startup_timeout_s
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if data_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix=tmp_prefix)
+            data_dir = self._tmp.name
+        self.data_dir = Path(data_dir)
+        self.env = dict(os.environ, LORAPLEX_DATA_DIR=str(self.data_dir), **(env or {}))
+
+    def _remove_tmp(self) -> None:
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+class LocalServer(_Local):
     """A ``loraplex serve`` subprocess, ready (health ``SERVING``) once entered.
 
     Args:
@@ -53,19 +77,9 @@ class LocalServer:
                  data_dir: str | os.PathLike[str] | None = None,
                  env: Mapping[str, str] | None = None, startup_timeout_s: float = 180.0
                  ) -> None:
+        super().__init__(data_dir, env, startup_timeout_s, "loraplex-lt-")
         self.model = model
         self.serve_args = list(serve_args)
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self.http_port = free_port()
-        self.http_url = f"http://127.0.0.1:{self.http_port}/v1"  # the OpenAI API's base URL
-        self.startup_timeout_s = startup_timeout_s
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
-        if data_dir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="loraplex-lt-")
-            data_dir = self._tmp.name
-        self.data_dir = Path(data_dir)
-        self.env = dict(os.environ, LORAPLEX_DATA_DIR=str(self.data_dir), **(env or {}))
         self.log_path = self.data_dir / "server.log"
         self._proc: subprocess.Popen | None = None
 
@@ -126,12 +140,10 @@ class LocalServer:
                 self._proc.kill()
                 self._proc.wait()
         self._proc = None
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
+        self._remove_tmp()
 
 
-class LocalCluster:
+class LocalCluster(_Local):
     """``workers`` ``loraplex worker`` processes and one ``loraplex gateway`` in front of them,
     each its own process on free loopback ports, ready (the gateway's health ``SERVING``, every
     worker's too) once entered: what a deployment runs, where ``LocalServer`` runs both in one
@@ -160,17 +172,7 @@ class LocalCluster:
         self.gateway_args = list(gateway_args)
         self.worker_ports = [free_port() for _ in range(workers)]
         self.worker_addresses = [f"127.0.0.1:{p}" for p in self.worker_ports]
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self.http_port = free_port()
-        self.http_url = f"http://127.0.0.1:{self.http_port}/v1"
-        self.startup_timeout_s = startup_timeout_s
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
-        if data_dir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="loraplex-lc-")
-            data_dir = self._tmp.name
-        self.data_dir = Path(data_dir)
-        self.env = dict(os.environ, LORAPLEX_DATA_DIR=str(self.data_dir), **(env or {}))
+        super().__init__(data_dir, env, startup_timeout_s, "loraplex-lc-")
         # name -> process, in start order (workers first: the gateway finds them serving)
         self._procs: dict[str, subprocess.Popen] = {}
 
@@ -249,6 +251,4 @@ class LocalCluster:
                     proc.kill()
                     proc.wait()
         self._procs.clear()
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
+        self._remove_tmp()
