@@ -58,6 +58,7 @@ class Warmer:
         # digest -> (worker, when) of each upload's warm, oldest first (an announcement of
         # the same put skips it)
         self._uploads: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._announced: dict[str, None] = {}  # announced digests waiting for the next flush
         self._tasks: set[asyncio.Task[None]] = set()
         self._rewarming = asyncio.Lock()
 
@@ -85,20 +86,41 @@ class Warmer:
         self._send(home, [digest])
 
     def announced(self, digest: str) -> None:
-        """The adapter store announced a put (from anywhere): after ``ANNOUNCED_DELAY_SECONDS``
-        warm it as an upload, unless this gateway warmed it on that worker in the last
-        ``ANNOUNCED_REPEAT_SECONDS`` (its own upload: the store announces a put before the
-        gateway's handler gets it back, hence the delay)."""
-        self._spawn(self._announced(digest))
+        """The adapter store announced a put (from anywhere): warm it as an upload, unless
+        this gateway warmed it on that worker in the last ``ANNOUNCED_REPEAT_SECONDS`` (its
+        own upload: the store announces a put before the gateway's handler gets it back, so
+        announcements wait ``ANNOUNCED_DELAY_SECONDS``; those that arrive meanwhile, a bulk
+        push's, go out together, ``MAX_PREFETCH`` digests a call to each worker)."""
+        first = not self._announced
+        self._announced[digest] = None
+        if first:
+            self._spawn(self._flush_announced())
 
-    async def _announced(self, digest: str) -> None:
+    async def _flush_announced(self) -> None:
         await asyncio.sleep(ANNOUNCED_DELAY_SECONDS)
-        self._forget_uploads(time.monotonic())
-        done = self._uploads.get(digest)
-        if done is not None and done[0] == affinity_worker(digest, self._snapshots()):
-            self._metrics.adapter_warms.labels(result="repeat").inc()
-            return
-        self.upload(digest)
+        digests, self._announced = list(self._announced), {}
+        now = time.monotonic()
+        self._forget_uploads(now)
+        snapshots = self._snapshots()
+        by_home: dict[str, list[str]] = {}
+        for n, digest in enumerate(digests):
+            if n and n % REWARM_SLICE == 0:
+                await asyncio.sleep(0)
+            home = affinity_worker(digest, snapshots)
+            done = self._uploads.get(digest)
+            if done is not None and done[0] == home:
+                self._metrics.adapter_warms.labels(result="repeat").inc()
+                continue
+            self._recent.pop(digest, None)
+            self.note(digest, snapshots)
+            if home is None:
+                continue
+            self._uploads.pop(digest, None)
+            self._uploads[digest] = (home, now)
+            by_home.setdefault(home, []).append(digest)
+        for address, batch in by_home.items():
+            for i in range(0, len(batch), MAX_PREFETCH):
+                self._send(address, batch[i:i + MAX_PREFETCH])
 
     def _forget_uploads(self, now: float) -> None:
         while self._uploads and next(iter(self._uploads.values()))[1] < \
