@@ -87,6 +87,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=48)
     p.add_argument("--range-ratio", type=float, default=0.5,
                    help="prompt lengths uniform in input-len x (1 +- this)")
+    p.add_argument("--prefix-len", type=int, default=0,
+                   help="a random prefix of this many tokens shared by every prompt, before its "
+                        "input-len tokens (the client's --random-prefix-len)")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="both servers reuse the KV of shared prefixes (vLLM's default; off "
+                        "otherwise, so that every prompt token is computed)")
     p.add_argument("--phases", default="loraplex,vllm,loraplex",
                    help="one server at a time, in this order (a system may come twice)")
     p.add_argument("--memory-gib", type=int, default=1,
@@ -118,9 +124,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if phase not in SYSTEMS:
             p.error(f"--phases: {phase!r} is not one of {', '.join(SYSTEMS)}")
     if args.num_adapters < 0 or args.num_prompts < 1 or args.threads < 1 \
-            or args.split_workers < 1:
-        p.error("--num-adapters must be >= 0, --num-prompts, --threads and --split-workers "
-                ">= 1")
+            or args.split_workers < 1 or args.prefix_len < 0:
+        p.error("--num-adapters and --prefix-len must be >= 0, --num-prompts, --threads and "
+                "--split-workers >= 1")
     try:
         rates(args)
     except ValueError:
@@ -148,6 +154,7 @@ def client_argv(args: argparse.Namespace, base_url: str, model: str, tokenizer: 
             "--random-input-len", str(args.input_len),
             "--random-output-len", str(args.output_len),
             "--random-range-ratio", str(args.range_ratio),
+            "--random-prefix-len", str(args.prefix_len),
             "--num-prompts", str(num_prompts or args.num_prompts),
             "--request-rate", "inf" if rate == float("inf") else f"{rate:g}",
             "--ignore-eos", "--temperature", "0", "--seed", str(args.seed),
@@ -311,7 +318,8 @@ class Bench:
         split = system.startswith("loraplex-split")
         workers = args.split_workers if split else 1
         threads = max(1, args.threads // workers)
-        serve = ["--no-enable-prefix-caching", "--min-prefill-chunk", str(args.min_prefill_chunk),
+        serve = [*([] if args.prefix_caching else ["--no-enable-prefix-caching"]),
+                 "--min-prefill-chunk", str(args.min_prefill_chunk),
                  "--pool-memory-bytes", str((args.memory_gib << 30) // workers),
                  "--dtype", args.dtype,
                  "--max-num-batched-tokens", str(args.max_num_batched_tokens),
@@ -348,7 +356,9 @@ class Bench:
         with VllmServer(Path(self.path), adapters, max_lora_rank=16,
                         dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_model_len=max(512, 2 * (args.input_len + args.output_len)),
+                        max_model_len=max(512, 2 * (args.prefix_len + args.input_len
+                                                    + args.output_len)),
+                        prefix_caching=args.prefix_caching,
                         threads_bind=threads_bind(args.threads), kvcache_gib=args.memory_gib,
                         extra_args=args.vllm_args.split(),
                         log_path=args.out / f"vllm-serve-{phase}.log") as server:

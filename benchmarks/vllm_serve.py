@@ -59,6 +59,8 @@ class VllmServer:
         threads_bind: ``VLLM_CPU_OMP_THREADS_BIND``.
         kvcache_gib: ``VLLM_CPU_KVCACHE_SPACE``.
         extra_args: more ``vllm serve`` flags.
+        prefix_caching: leave vLLM's automatic prefix caching on (its default; off unless
+            asked, as loraplex's in the benchmarks that start it).
         startup_timeout_s: how long to wait for ``/health``.
         log_path: where its output goes (default: a temporary file).
 
@@ -71,8 +73,8 @@ class VllmServer:
                  max_loras: int | None = None, dtype: str = "float32", max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, max_model_len: int = 512,
                  block_size: int = 32, threads_bind: str = "0", kvcache_gib: int = 1,
-                 extra_args: Sequence[str] = (), startup_timeout_s: float = 600.0,
-                 log_path: Path | None = None) -> None:
+                 extra_args: Sequence[str] = (), prefix_caching: bool = False,
+                 startup_timeout_s: float = 600.0, log_path: Path | None = None) -> None:
         if block_size % 32:
             raise ValueError(f"block_size: vLLM's CPU attention needs a multiple of 32, "
                              f"got {block_size}")
@@ -86,7 +88,8 @@ class VllmServer:
                     "--max-num-seqs", str(max_num_seqs),
                     "--max-num-batched-tokens", str(max_num_batched_tokens),
                     "--max-model-len", str(max_model_len), "--block-size", str(block_size),
-                    "--no-enable-prefix-caching", "--uvicorn-log-level", "warning"]
+                    *([] if prefix_caching else ["--no-enable-prefix-caching"]),
+                    "--uvicorn-log-level", "warning"]
         if adapters:
             self.cmd += ["--enable-lora", "--max-lora-rank", str(max_lora_rank),
                          "--max-loras", str(max_loras or len(adapters)),

@@ -47,6 +47,10 @@ def test_both_servers_get_the_same_client_command_but_address_and_model(peer_ven
     assert (_flag(a, "--seed"), _flag(a, "--temperature"), _flag(a, "--request-rate")) == (
         "7", "0", "1")
     assert "--ignore-eos" in a
+    assert _flag(a, "--random-prefix-len") == "0"  # no shared prefix unless asked
+    shared = vbs.client_argv(vbs.parse_args(["--prefix-len", "256"]), "u", "m", "/tok", 1.0,
+                             tmp_path, "p.json")
+    assert _flag(shared, "--random-prefix-len") == "256"
     i = a.index("--lora-modules")
     assert a[i + 1:i + 5] == ["lt-0000", "lt-0001", "lt-0002", "lt-0003"]
     inf = vbs.client_argv(args, "u", "m", "/tok", float("inf"), tmp_path, "b.json",
@@ -116,6 +120,7 @@ def test_each_pair_that_ran_gets_its_ratio():
     (["--num-prompts", "0"], "--num-prompts"),
     (["--threads", "0"], "--threads"),
     (["--split-workers", "0"], "--split-workers"),
+    (["--prefix-len", "-1"], "--prefix-len must be >= 0"),
 ])
 def test_bad_arguments_are_refused_before_anything_starts(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
