@@ -144,10 +144,13 @@ def adapter_names(args: argparse.Namespace) -> list[str]:
 
 def client_argv(args: argparse.Namespace, base_url: str, model: str, tokenizer: str,
                 rate: float, result_dir: Path, filename: str, num_prompts: int | None = None,
-                base: bool = False) -> list[str]:
+                base: bool = False, run: int = 0) -> list[str]:
     """``vllm bench serve``'s command line for one run: the same for either server but for
     ``base_url`` and ``model`` (the name the server gives the base model); ``base``: no
-    adapters, every request the base model's."""
+    adapters, every request the base model's. With ``--prefix-caching`` the seed is
+    ``--seed`` + ``run`` (each run of a server its own prompts and shared prefix, so that no
+    run finds the previous one's prompts cached; the same runs for every server)."""
+    seed = args.seed + run if args.prefix_caching else args.seed
     argv = [str(peer_python()), "-c", VLLM_CLI, "bench", "serve", "--backend", "openai",
             "--base-url", base_url, "--endpoint", "/v1/completions", "--model", model,
             "--tokenizer", tokenizer, "--dataset-name", "random",
@@ -157,7 +160,7 @@ def client_argv(args: argparse.Namespace, base_url: str, model: str, tokenizer: 
             "--random-prefix-len", str(args.prefix_len),
             "--num-prompts", str(num_prompts or args.num_prompts),
             "--request-rate", "inf" if rate == float("inf") else f"{rate:g}",
-            "--ignore-eos", "--temperature", "0", "--seed", str(args.seed),
+            "--ignore-eos", "--temperature", "0", "--seed", str(seed),
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
             "--goodput", f"ttft:{args.slo_ttft_ms:g}", f"tpot:{args.slo_tpot_ms:g}",
             "--save-result", "--result-dir", str(result_dir), "--result-filename", filename,
@@ -289,11 +292,12 @@ class Bench:
     def measure(self, system: str, base_url: str, model: str, pids: Sequence[int],
                 phase: int) -> None:
         args = self.args
-        for rate in rates(args):
+        for i, rate in enumerate(rates(args)):
             name = f"{system}-rate{rate:g}-p{phase}"
             cpu0, t0 = processes_cpu_s(pids), time.monotonic()
             result = run_client(client_argv(args, base_url, model, self.path, rate, args.out,
-                                            f"{name}.json", base=system.endswith("-base")),
+                                            f"{name}.json", base=system.endswith("-base"),
+                                            run=1 + i),
                                 args.out / f"{name}.json", args.out / f"{name}.log",
                                 args.run_timeout)
             cpu = cpu_delta(cpu0, processes_cpu_s(pids))

@@ -51,6 +51,14 @@ def test_both_servers_get_the_same_client_command_but_address_and_model(peer_ven
     shared = vbs.client_argv(vbs.parse_args(["--prefix-len", "256"]), "u", "m", "/tok", 1.0,
                              tmp_path, "p.json")
     assert _flag(shared, "--random-prefix-len") == "256"
+    # with prefix caching on, each run its own prompts (no run replays the last one's cached
+    # prompts), the same runs for both servers; off, every run the same trace
+    cached = vbs.parse_args(["--prefix-len", "256", "--prefix-caching", "--seed", "7"])
+    seeds = [_flag(vbs.client_argv(cached, u, "m", "/tok", 1.0, tmp_path, "p.json", run=r),
+                   "--seed") for r in (1, 2) for u in ("a", "b")]
+    assert seeds == ["8", "8", "9", "9"]
+    assert _flag(vbs.client_argv(args, "u", "m", "/tok", 1.0, tmp_path, "p.json", run=2),
+                 "--seed") == "7"
     i = a.index("--lora-modules")
     assert a[i + 1:i + 5] == ["lt-0000", "lt-0001", "lt-0002", "lt-0003"]
     inf = vbs.client_argv(args, "u", "m", "/tok", float("inf"), tmp_path, "b.json",
