@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from loraplex.server.api import ServiceError
@@ -68,22 +68,32 @@ class Warmer:
         if digest in self._recent:
             self._recent.move_to_end(digest)
             return
-        self._recent[digest] = affinity_worker(
-            digest, snapshots if snapshots is not None else self._snapshots())
+        self._remember(digest, affinity_worker(
+            digest, snapshots if snapshots is not None else self._snapshots()))
+
+    def _remember(self, digest: str, home: str | None) -> None:
+        """``digest``'s affinity worker is ``home`` now (most recent)."""
+        self._recent.pop(digest, None)
+        self._recent[digest] = home
         if len(self._recent) > RECENT_ADAPTERS:
             self._recent.popitem(last=False)
 
+    def _uploaded(self, digest: str, home: str | None, now: float) -> str | None:
+        """Remember an upload's (or announced put's) worker, ``home`` (None: no healthy
+        worker, nothing to warm)."""
+        self._remember(digest, home)
+        if home is not None:
+            self._uploads.pop(digest, None)
+            self._uploads[digest] = (home, now)
+        return home
+
     def upload(self, digest: str) -> None:
         """An adapter was stored: warm it on its affinity worker (and remember it)."""
-        self._recent.pop(digest, None)
-        self.note(digest)
-        home = self._recent[digest]
-        if home is None:
-            return
-        self._forget_uploads(time.monotonic())
-        self._uploads.pop(digest, None)
-        self._uploads[digest] = (home, time.monotonic())
-        self._send(home, [digest])
+        now = time.monotonic()
+        self._forget_uploads(now)
+        home = self._uploaded(digest, affinity_worker(digest, self._snapshots()), now)
+        if home is not None:
+            self._send_batches({home: [digest]})
 
     def announced(self, digest: str) -> None:
         """The adapter store announced a put (from anywhere): warm it as an upload, unless
@@ -110,17 +120,9 @@ class Warmer:
             done = self._uploads.get(digest)
             if done is not None and done[0] == home:
                 self._metrics.adapter_warms.labels(result="repeat").inc()
-                continue
-            self._recent.pop(digest, None)
-            self.note(digest, snapshots)
-            if home is None:
-                continue
-            self._uploads.pop(digest, None)
-            self._uploads[digest] = (home, now)
-            by_home.setdefault(home, []).append(digest)
-        for address, batch in by_home.items():
-            for i in range(0, len(batch), MAX_PREFETCH):
-                self._send(address, batch[i:i + MAX_PREFETCH])
+            elif (home := self._uploaded(digest, home, now)) is not None:
+                by_home.setdefault(home, []).append(digest)
+        self._send_batches(by_home)
 
     def _forget_uploads(self, now: float) -> None:
         while self._uploads and next(iter(self._uploads.values()))[1] < \
@@ -145,12 +147,13 @@ class Warmer:
                     moved.setdefault(home, []).append(digest)
                 if digest in self._recent:  # not dropped by note() meanwhile
                     self._recent[digest] = home
-            for address, digests in moved.items():
-                for i in range(0, len(digests), MAX_PREFETCH):
-                    self._send(address, digests[i:i + MAX_PREFETCH])
+            self._send_batches(moved)
 
-    def _send(self, address: str, digests: Sequence[str]) -> None:
-        self._spawn(self._prefetch(address, tuple(digests)))
+    def _send_batches(self, by_home: dict[str, list[str]]) -> None:
+        """A ``Prefetch`` for each worker's digests, ``MAX_PREFETCH`` a call."""
+        for address, digests in by_home.items():
+            for i in range(0, len(digests), MAX_PREFETCH):
+                self._spawn(self._prefetch(address, tuple(digests[i:i + MAX_PREFETCH])))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -44,8 +44,8 @@ from loraplex.server.api import (
     TokenizeResult,
     Usage,
 )
-from loraplex.server.gateway import GenerationService
 from loraplex.server.gateway_bounds import MAX_REQUEST_ID_CHARS
+from loraplex.server.gateway_generation import GenerationService
 from loraplex.server.http import responses as out
 from loraplex.server.http.errors import (
     bad_request,
