@@ -101,7 +101,8 @@ def test_bias_strided_rows_and_threads(kind, threads):
     # each output tile is one thread's whole sum, in the same order whatever the thread count
     assert torch.equal(y, _check(kind, x, w, bias, threads=1))
     # and a strided output row block: y's rows are written, not read before the first chunk
-    assert torch.equal(cpu_gemm.linear(x[10:20], cpu_gemm.pack(w, kind), bias), y[10:20])
+    # (30 rows: AMX runs fewer than 15 as FMAs, whose sums round differently from the tiles')
+    assert torch.equal(cpu_gemm.linear(x[10:40], cpu_gemm.pack(w, kind), bias), y[10:40])
 
 
 @pytest.mark.parametrize("kind", KINDS)
