@@ -36,6 +36,12 @@ def amx_gemm() -> bool:
     return _switch("AMX_GEMM") not in _OFF
 
 
+def amx_lora() -> bool:
+    """``LORAPLEX_AMX_LORA``: ``0`` keeps a bf16 prefill's LoRA on AVX512-BF16's pair dot
+    products instead of AMX tiles (``loraplex/kernels/cpu_lora_native``)."""
+    return _switch("AMX_LORA") not in _OFF
+
+
 def fma_gemm() -> str:
     """``LORAPLEX_FMA_GEMM``: ``auto`` (the default) runs float32 projections on the FMA GEMM
     (``loraplex/kernels/cpu_gemm``) on CPUs without AMX where it was measured faster than oneDNN

@@ -343,11 +343,11 @@ _SHORT_SEGMENT = 16
 # segment of 1536 rows (one Zen 4 core, SmolLM2's projections); segments of 16 rows or more now
 # take its tiled path (ranks in vector lanes, shrink and expand fused 8 rows at a time:
 # ``csrc/lora.c``, "Long float32 segments"), a further 1.32x for q/k/v and 1.13x for o there.
-# In bf16 the long ones stay on oneDNN's bf16 GEMMs (the native kernel was 0.83-1.5x there,
-# and rounds h differently) on a CPU with AMX; without AMX, where the library has
-# AVX512-BF16's pair dot products, they run in ``csrc/lora.c``'s ``loraplex_lora_long_bf16``
-# (the oneDNN path's rounding of h, 2.0-2.8x its speed on a prefill chunk at one thread,
-# 2.3-4.5x at two: one Zen 5 core, SmolLM2's shapes).
+# In bf16, where the library has AVX512-BF16's pair dot products, the long ones run in
+# ``csrc/lora.c``'s ``loraplex_lora_long_bf16`` (the oneDNN path's rounding of h): 2.0-2.8x
+# oneDNN's bf16 GEMMs on a prefill chunk at one thread, 2.3-4.5x at two (one Zen 5 core,
+# SmolLM2's shapes); on a CPU with AMX on its tiles, 2.1-3.8x oneDNN's (whose bf16 GEMMs run
+# on the same tiles) and 1.5-1.9x the pair dot products (one Sapphire Rapids-class core).
 _NATIVE_F32_SEGMENT = 1 << 62
 
 
@@ -381,10 +381,10 @@ def lora_segments(x: torch.Tensor, y: torch.Tensor, segments: Sequence[SegmentBl
     what LoRA costs in a decode step: hence one shrink and one expand per segment there, and,
     where the native library loads, every short float32/bf16 segment, and in float32 every
     long one too, in one C call instead (``cpu_lora_native.lora_short_segments``: the short
-    path's arithmetic, blocks read in place). On a CPU without AMX whose native build has
-    AVX512-BF16, the long bf16 segments also run in one C call
-    (``cpu_lora_native.lora_long_bf16_segments``: the oneDNN path's arithmetic, ``h`` rounded
-    to bf16, on pair dot products).
+    path's arithmetic, blocks read in place). Where the native build has AVX512-BF16, the long
+    bf16 segments also run in one C call (``cpu_lora_native.lora_long_bf16_segments``: the
+    oneDNN path's arithmetic, ``h`` rounded to bf16, on AMX tiles where the CPU has them, else
+    on pair dot products).
 
     Args:
         x: ``[T, d_in]``, rows grouped by segment.
@@ -396,7 +396,7 @@ def lora_segments(x: torch.Tensor, y: torch.Tensor, segments: Sequence[SegmentBl
     segments = lora_short_segments(x, y, segments,
                                    _NATIVE_F32_SEGMENT if x.dtype == torch.float32
                                    else _SHORT_SEGMENT)
-    if segments and x.dtype == torch.bfloat16 and not _amx():
+    if segments and x.dtype == torch.bfloat16:
         segments = lora_long_bf16_segments(x, y, segments)
     _torch_segments(x, y, segments)
 
@@ -455,7 +455,7 @@ class LoraPlan:
         if device.type == "cpu":
             self._calls, rest = short_call(dtype, rest, _NATIVE_F32_SEGMENT
                                            if dtype == torch.float32 else _SHORT_SEGMENT)
-            if rest and dtype == torch.bfloat16 and not _amx():
+            if rest and dtype == torch.bfloat16:
                 calls, rest = long_bf16_call(rest)
                 self._calls += calls
         self._rest = rest

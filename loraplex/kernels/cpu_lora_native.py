@@ -10,9 +10,9 @@ A group's module table (addresses, strides, ranks, columns) is built once and ke
 ``GroupBlocks`` (``native``), with the tensors it points into: a resident adapter's blocks
 neither move nor change, and the table goes with the blocks on eviction. Long float32 segments
 run here too (with the output's rows prefetched the kernel beats torch's GEMMs at rank 8-16);
-long bf16 ones run in ``lora_long_bf16_segments`` on AVX512-BF16's pair dot products, with the
-oneDNN path's rounding of ``h`` to bf16, where the CPU has no AMX (with AMX, oneDNN's bf16 GEMMs
-run on tiles and stay).
+long bf16 ones run in ``lora_long_bf16_segments`` with the oneDNN path's rounding of ``h`` to
+bf16: on AMX tiles where the CPU has them (``has_long_bf16_tiles``; ``LORAPLEX_AMX_LORA=0``
+keeps them off), else on AVX512-BF16's pair dot products.
 """
 
 from __future__ import annotations
@@ -26,19 +26,21 @@ import numpy as np
 import torch
 
 from loraplex.kernels import native
+from loraplex.server import env
 
 if TYPE_CHECKING:
     from loraplex.kernels.cpu import GroupBlocks, GroupLayers, SegmentBlocks
 
-__all__ = ["LayerCall", "RegionModule", "has_long_bf16", "long_bf16_call",
-           "lora_long_bf16_segments", "lora_short_segments", "region_tables", "short_call"]
+__all__ = ["LayerCall", "RegionModule", "has_long_bf16", "has_long_bf16_tiles", "long_bf16_call",
+           "lora_long_bf16_segments", "lora_short_segments", "region_tables", "short_call",
+           "tiles_available"]
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # csrc/lora.c's DT_F32, DT_BF16
 _MODULE_FIELDS = 9  # csrc/lora.c's module_t
 _SEGMENT_FIELDS = 4  # csrc/lora.c's segment_t
 _ERRORS = {1: "a segment's rows lie outside x", 2: "a module's columns lie outside y",
            3: "an A block's row length is not x's width", 4: "unsupported dtype",
-           5: "out of memory"}
+           5: "out of memory", 6: "AMX tiles asked for where they cannot run"}
 
 
 class NativeTable(NamedTuple):
@@ -158,19 +160,44 @@ def has_long_bf16() -> bool:
     return _long_bf16_library() is not None
 
 
-def lora_long_bf16_segments(x: torch.Tensor, y: torch.Tensor,
-                            segments: Sequence[SegmentBlocks]) -> Sequence[SegmentBlocks]:
-    """Run bf16 segments in one C call on AVX512-BF16's pair dot products; return the others.
+def tiles_available() -> bool:
+    """Whether ``loraplex_lora_long_bf16`` can run on AMX tiles here (an AMX build on a CPU with
+    AMX-BF16, the kernel's tile data permission granted), whatever the switch."""
+    lib = _long_bf16_library()
+    if lib is None or not hasattr(lib, "loraplex_lora_amx_init"):
+        return False
+    ok = getattr(lib, "_loraplex_amx", None)
+    if ok is None:  # once per loaded library: the CPU check and the permission request
+        lib.loraplex_lora_amx_init.argtypes = []
+        lib.loraplex_lora_amx_init.restype = ctypes.c_int64
+        ok = bool(lib.loraplex_lora_amx_init())
+        lib._loraplex_amx = ok  # type: ignore[attr-defined]
+    return bool(ok)
+
+
+def has_long_bf16_tiles() -> bool:
+    """Whether long bf16 segments run on AMX tiles in this process: ``tiles_available`` and
+    ``LORAPLEX_AMX_LORA`` not ``0``."""
+    return env.amx_lora() and tiles_available()
+
+
+def lora_long_bf16_segments(x: torch.Tensor, y: torch.Tensor, segments: Sequence[SegmentBlocks],
+                            tiles: bool | None = None) -> Sequence[SegmentBlocks]:
+    """Run bf16 segments in one C call on AMX tiles or AVX512-BF16's pair dot products; return
+    the others.
 
     Semantics, for each segment and each module ``m`` of its group (``cpu.lora_segments``'
     long bf16 path, oneDNN's): ``h = bf16(x[lo:hi] @ A^T)``, then
-    ``y[lo:hi, start:end] = bf16(y + scale * (h @ BT))``, products accumulated in float32.
-    Returns ``segments`` untouched (nothing run) where the kernel is not built
-    (``has_long_bf16``), ``x`` / ``y`` are not CPU bf16 rows of unit stride, or a group's
-    blocks are not bf16.
+    ``y[lo:hi, start:end] = bf16(y + scale * (h @ BT))``, products accumulated in float32 (in
+    another order on tiles than on pair dot products). Returns ``segments`` untouched (nothing
+    run) where the kernel is not built (``has_long_bf16``), ``x`` / ``y`` are not CPU bf16 rows
+    of unit stride, or a group's blocks are not bf16. ``tiles``: ``None`` as
+    ``has_long_bf16_tiles()`` says; on tiles, modules whose depth is not a multiple of 32 or
+    whose rank is over 64 still run on pair dot products.
 
     Raises:
-        ValueError: a segment or module outside ``x`` / ``y`` (checked in C before any write).
+        ValueError: a segment or module outside ``x`` / ``y`` (checked in C before any write),
+        or ``tiles=True`` where ``tiles_available()`` is false.
         MemoryError: the kernel's buffers could not be allocated.
     """
     if (x.dtype != torch.bfloat16 or y.dtype != torch.bfloat16 or x.device.type != "cpu"
@@ -180,6 +207,9 @@ def lora_long_bf16_segments(x: torch.Tensor, y: torch.Tensor,
     lib = _long_bf16_library()
     if lib is None:
         return segments
+    use_tiles = has_long_bf16_tiles() if tiles is None else tiles
+    if use_tiles and not tiles_available():
+        raise ValueError("native LoRA: " + _ERRORS[6])
     fields: list[int] = []
     scales: list[float] = []
     rest = []
@@ -191,7 +221,7 @@ def lora_long_bf16_segments(x: torch.Tensor, y: torch.Tensor,
         fields += (seg.lo, seg.hi, t.address, t.num_modules)
         scales.append(seg.scale)
     if scales:
-        _call(lib.loraplex_lora_long_bf16, x, y, (), fields, scales)
+        _call(lib.loraplex_lora_long_bf16, x, y, (int(use_tiles),), fields, scales)
     return rest
 
 
@@ -318,10 +348,12 @@ def short_call(dtype: torch.dtype, segments: Sequence[tuple[int, int, float, Gro
 
 def long_bf16_call(segments: Sequence[tuple[int, int, float, GroupLayers]]
                    ) -> tuple[list[LayerCall], list[tuple[int, int, float, GroupLayers]]]:
-    """``lora_long_bf16_segments``' routing done once for every layer (bf16 ``x`` and ``y``)."""
+    """``lora_long_bf16_segments``' routing done once for every layer (bf16 ``x`` and ``y``;
+    on tiles as ``has_long_bf16_tiles()`` says)."""
     lib = _long_bf16_library()
     if lib is None or not segments:
         return [], list(segments)
     bf16 = [s for s in segments if layer_tables(s[3]).bf16]
     rest = [s for s in segments if not layer_tables(s[3]).bf16]
-    return ([LayerCall(lib.loraplex_lora_long_bf16, (), bf16)] if bf16 else []), rest
+    tiles = (int(has_long_bf16_tiles()),)
+    return ([LayerCall(lib.loraplex_lora_long_bf16, tiles, bf16)] if bf16 else []), rest

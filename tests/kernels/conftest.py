@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
 @pytest.fixture
 def cpu_amx(monkeypatch, request):
     """The CPU as having AMX tiles or not (``request.param``), for ``kernels.cpu``'s cached
-    answer (the routing of bf16 prefill attention and of long bf16 LoRA segments)."""
+    answer (the routing of bf16 prefill attention)."""
     from loraplex.kernels import cpu
 
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: request.param,

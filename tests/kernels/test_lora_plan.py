@@ -38,12 +38,14 @@ class Layers:
         return y
 
 
-@pytest.mark.parametrize("cpu_amx", [False, True], indirect=True)
+@pytest.mark.parametrize("amx_lora", ["0", "1"])  # long bf16 segments on pair products / tiles
 @pytest.mark.parametrize("num_modules", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("pattern", ["distinct", "zipf", "identical"])
 def test_plan_equals_lora_segments_in_every_layer(pattern: str, dtype: torch.dtype,
-                                                  num_modules: int, cpu_amx: bool) -> None:
+                                                  num_modules: int, amx_lora: str,
+                                                  monkeypatch) -> None:
+    monkeypatch.setenv("LORAPLEX_AMX_LORA", amx_lora)
     layers = Layers(pattern, dtype, num_modules)
     plan = cpu.LoraPlan(dtype, torch.device("cpu"), layers.plan_segments)
     order = list(range(LAYERS)) * 2
@@ -66,7 +68,7 @@ def test_routing_takes_every_segment_natively_where_it_can() -> None:
                         Layers("zipf", torch.bfloat16, 2).plan_segments)
     long_rows = [hi - lo for lo, hi, _, _ in bf16._rest]
     assert all(rows > cpu._SHORT_SEGMENT for rows in long_rows)
-    if cpu_lora_native.has_long_bf16() and not cpu._amx():
+    if cpu_lora_native.has_long_bf16():  # on AMX tiles or pair dot products
         assert long_rows == [] and len(bf16._calls) == 2
     else:  # the long ones on oneDNN's bf16 GEMMs
         assert long_rows and len(bf16._calls) == 1

@@ -32,10 +32,11 @@ class Case:
     """A fused projection's step: x, y0 and the segments, with the plain weights kept."""
 
     def __init__(self, pattern: str, dtype: torch.dtype, num_modules: int, seed: int = 0,
-                 rows: tuple[int, ...] = ROWS) -> None:
+                 rows: tuple[int, ...] = ROWS, d_in: int = D_IN,
+                 ranks: tuple[int, ...] = RANKS) -> None:
         rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
         names = [f"m{i}" for i in range(num_modules)]
-        shapes = {n: (D_IN, w) for n, w in zip(names, WIDTHS)}
+        shapes = {n: (d_in, w) for n, w in zip(names, WIDTHS)}
         starts, col = [], 5  # a gap before the first module and between modules
         for w in WIDTHS[:num_modules]:
             starts.append(col)
@@ -48,7 +49,7 @@ class Case:
             # every third adapter targets all modules, the others all but one
             skip = None if a % 3 == 0 or num_modules == 1 else names[a % num_modules]
             targets[a] = [n for n in names if n != skip]
-            layouts[a] = adapter_layout(RANKS[a % len(RANKS)], targets[a], shapes)
+            layouts[a] = adapter_layout(ranks[a % len(ranks)], targets[a], shapes)
         num_pages = sum(lay.num_pages(page_elems) for lay in layouts.values()) + 2
         # NaN wherever no block lies: a read outside a block poisons the result
         self.pool = torch.full((num_pages, page_elems), float("nan"), dtype=dtype)
@@ -60,12 +61,12 @@ class Case:
             blocks, dense = [], []
             for n in targets[a]:
                 i = names.index(n)
-                w = (torch.randn(lay.rank, D_IN, generator=gen) / D_IN ** 0.5).to(dtype)
+                w = (torch.randn(lay.rank, d_in, generator=gen) / d_in ** 0.5).to(dtype)
                 b = torch.randn(WIDTHS[i], lay.rank, generator=gen).to(dtype)
                 write_region(self.pool, pages, lay.a_offsets[n], w)
                 write_region(self.pool, pages, lay.b_offsets[n], b.T.contiguous())
                 pt = torch.tensor(pages)
-                a_rows = reference.region_rows(self.pool, pt, lay.a_offsets[n], lay.rank, D_IN)
+                a_rows = reference.region_rows(self.pool, pt, lay.a_offsets[n], lay.rank, d_in)
                 bt = reference.region_rows(self.pool, pt, lay.b_offsets[n], lay.rank, WIDTHS[i])
                 blocks.append(cpu.ModuleBlocks(starts[i], starts[i] + WIDTHS[i], a_rows.t(), bt))
                 dense.append((starts[i], starts[i] + WIDTHS[i], w, b))
@@ -74,7 +75,7 @@ class Case:
         bounds = [0]
         for n in rows:
             bounds.append(bounds[-1] + n)
-        self.x = torch.randn(bounds[-1], D_IN, generator=gen).to(dtype)
+        self.x = torch.randn(bounds[-1], d_in, generator=gen).to(dtype)
         self.y0 = torch.randn(bounds[-1], self.num_cols, generator=gen).to(dtype)
         # every fifth segment is the base model's: no SegmentBlocks, its rows untouched
         self.segments = [
@@ -246,7 +247,7 @@ def refused_before_any_write(case: Case, bad: str, run) -> None:
         y = y[:, :seg.group.span_hi - 1]
         segments = [seg]
     else:
-        x = x[:, :D_IN - 1]
+        x = x[:, :x.shape[1] - 1]
         segments = [seg]
     before = y.clone()
     with pytest.raises(ValueError, match="native LoRA"):

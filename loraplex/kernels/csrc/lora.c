@@ -23,6 +23,7 @@
  * not share rows and a table's modules must not share columns (the engine's fused slices):
  * no two work items write the same element of y.
  */
+#define _GNU_SOURCE  /* syscall(): the AMX tile data permission */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1089,23 +1090,200 @@ static void expand_dp(const uint16_t *h, int64_t hs, int64_t rows, int64_t rank_
     }
 }
 
+/* ---- The same on AMX tiles (CPUs with AMX-BF16: Sapphire Rapids and later) ---------------
+ *
+ * Same semantics; the products are TDPBF16PS's (exact bf16 products summed into float32, in
+ * another order than vdpbf16ps's lanes; bf16 denormals read as zero and float32 denormal sums
+ * flushed, as there). On AMX vdpbf16ps runs at a sixteenth of the tile unit's rate: a prefill
+ * chunk's LoRA on tiles is several times faster than on pair dot products (and those than
+ * oneDNN's bf16 GEMMs on tiles, whose fixed cost per rank-8-16 product dominates).
+ *
+ * Shrink, 16 rows at a time: an A tile is 16 rows of x, 32 depths (loaded in place, stride
+ * x's), a B tile 16 depth pairs x 16 ranks of A (A's rows as 32-bit pairs, transposed 16 x 16
+ * in registers once per work item into a per-thread buffer), up to four C tiles (rank <= 64).
+ * h's rows are padded to a multiple of 32 ranks with zeros (the expand's depth).
+ * Expand, 16 rows by 64 columns at a time: A tiles are h's rows (one per 32 ranks), B tiles
+ * pack_pairs' rank pairs (padded to h's depth with zero pairs), four C tiles, then y's
+ * read-modify-write as expand_dp's (one rounding, vcvtneps2bf16).
+ * A module whose depth is not a multiple of 32 or whose rank is over 64 runs expand_dp /
+ * shrink_dp in the same call. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__) && \
+    defined(__x86_64__) && VW == 16
+#define LORA_AMX 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+enum { AMX_MAX_RANK = 64 };
+
+/* 1: the CPU has AMX-TILE and AMX-BF16 and the kernel lets this process use the tile data */
+int64_t loraplex_lora_amx_init(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    if (!((d >> 22) & 1) || !((d >> 24) & 1)) return 0;  /* AMX-BF16, AMX-TILE */
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+}
+
+static void amx_config(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        c.colsb[i] = 64;
+        c.rows[i] = 16;
+    }
+    _tile_loadconfig(&c);
+}
+
+static inline int amx_module(const module_t *m, int64_t d_in) {
+    return d_in % 32 == 0 && m->rank <= AMX_MAX_RANK;
+}
+
+/* A's B tiles: bt[(kb * nr + t) * 256 + kp * 16 + n] = A[16 t + n][32 kb + 2 kp .. + 1] as a
+ * pair (zero for ranks past the module's) */
+static void pack_a_tiles(const module_t *m, int64_t d_in, uint32_t *bt) {
+    const int64_t rank = m->rank, nr = (rank + 15) / 16, kbs = d_in / 32;
+    for (int64_t t = 0; t < nr; t++)
+        for (int64_t kb = 0; kb < kbs; kb++) {
+            __m512i r[16];
+            for (int64_t n = 0; n < 16; n++)
+                r[n] = 16 * t + n < rank
+                    ? _mm512_loadu_si512((const uint16_t *)(intptr_t)m->a
+                                         + (16 * t + n) * m->a_stride + 32 * kb)
+                    : _mm512_setzero_si512();
+            transpose16(r);
+            uint32_t *out = bt + (kb * nr + t) * 256;
+            for (int kp = 0; kp < 16; kp++) _mm512_storeu_si512(out + 16 * kp, r[kp]);
+        }
+}
+
+#define AMX_SHRINK_DP(T) \
+    _tile_loadd(5, bt + (kb * nr + T) * 256, 64); \
+    _tile_dpbf16ps(T, 4, 5);
+
+/* h[i * hs + k] = bf16(x_i . A_k), k < rank; h's columns rank..hs zero. xpad: 16 x d_in. */
+static void shrink_amx(const uint16_t *x, int64_t xs, int64_t rows, int64_t d_in,
+                       const module_t *m, uint16_t *h, int64_t hs, const uint32_t *bt,
+                       uint16_t *xpad) {
+    const int64_t rank = m->rank, nr = (rank + 15) / 16, kbs = d_in / 32;
+    float c[4][256];
+    for (int64_t i = 0; i < rows; i += 16) {
+        const int64_t valid = rows - i < 16 ? rows - i : 16;
+        const uint16_t *xa = x + i * xs;
+        int64_t stride = xs;
+        if (valid < 16) {  /* the last rows: a zero-padded copy (never past x's end) */
+            memset(xpad, 0, (size_t)(16 * d_in) * sizeof(uint16_t));
+            for (int64_t r = 0; r < valid; r++)
+                memcpy(xpad + r * d_in, xa + r * xs, (size_t)d_in * sizeof(uint16_t));
+            xa = xpad;
+            stride = d_in;
+        }
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t kb = 0; kb < kbs; kb++) {
+            _tile_loadd(4, xa + 32 * kb, stride * 2);
+            AMX_SHRINK_DP(0)
+            if (nr > 1) { AMX_SHRINK_DP(1) }
+            if (nr > 2) { AMX_SHRINK_DP(2) }
+            if (nr > 3) { AMX_SHRINK_DP(3) }
+        }
+        _tile_stored(0, c[0], 64);
+        if (nr > 1) _tile_stored(1, c[1], 64);
+        if (nr > 2) _tile_stored(2, c[2], 64);
+        if (nr > 3) _tile_stored(3, c[3], 64);
+        for (int64_t r = 0; r < valid; r++) {
+            uint16_t *hr = h + (i + r) * hs;
+            for (int64_t k = 0; k < rank; k++) hr[k] = f2bf(c[k / 16][r * 16 + k % 16]);
+            for (int64_t k = rank; k < hs; k++) hr[k] = 0;
+        }
+    }
+}
+
+/* y[i, c0 + c] = bf16(y + scale * sum_k h[i, k] BT[k, c0 + c]) for c < n, on tiles: h's rows
+ * hs (32 or 64) ranks wide, zero past the rank; pack as pack_pairs' with hs / 2 rank pairs.
+ * hpad: 16 x hs. */
+static void expand_amx(const uint16_t *h, int64_t hs, int64_t rows, const uint32_t *pack,
+                       int64_t n, int64_t n64, float scale, uint16_t *y, int64_t ys,
+                       uint16_t *hpad) {
+    const int64_t depth_tiles = hs / 32;
+    float c[4][256];
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (int64_t i = 0; i < rows; i += 16) {
+        const int64_t valid = rows - i < 16 ? rows - i : 16;
+        const uint16_t *ha = h + i * hs;
+        if (valid < 16) {
+            memset(hpad, 0, (size_t)(16 * hs) * sizeof(uint16_t));
+            memcpy(hpad, ha, (size_t)(valid * hs) * sizeof(uint16_t));
+            ha = hpad;
+        }
+        _tile_loadd(4, ha, hs * 2);
+        if (depth_tiles > 1) _tile_loadd(6, ha + 32, hs * 2);
+        for (int64_t c0 = 0; c0 < n64; c0 += 64) {
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+#define AMX_EXPAND_DP(T)                                                    \
+            _tile_loadd(5, pack + c0 + 16 * T, n64 * 4);                    \
+            _tile_dpbf16ps(T, 4, 5);                                        \
+            if (depth_tiles > 1) {                                          \
+                _tile_loadd(7, pack + 16 * n64 + c0 + 16 * T, n64 * 4);     \
+                _tile_dpbf16ps(T, 6, 7);                                    \
+            }
+            AMX_EXPAND_DP(0) AMX_EXPAND_DP(1) AMX_EXPAND_DP(2) AMX_EXPAND_DP(3)
+#undef AMX_EXPAND_DP
+            _tile_stored(0, c[0], 64); _tile_stored(1, c[1], 64);
+            _tile_stored(2, c[2], 64); _tile_stored(3, c[3], 64);
+            for (int64_t r = 0; r < valid; r++) {
+                uint16_t *yr = y + (i + r) * ys;
+                for (int v = 0; v < 4; v++) {
+                    const int64_t at = c0 + 16 * v, left = n - at;
+                    if (left <= 0) break;
+                    const __mmask16 mk = left >= 16 ? (__mmask16)0xffff
+                                                    : (__mmask16)((1u << left) - 1);
+                    const __m256i old = _mm256_maskz_loadu_epi16(mk, yr + at);
+                    const __m512 wide = _mm512_castsi512_ps(
+                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(old), 16));
+                    const __m512 sum = _mm512_fmadd_ps(sv, _mm512_loadu_ps(c[v] + 16 * r), wide);
+                    _mm256_mask_storeu_epi16(yr + at, mk, (__m256i)_mm512_cvtneps_pbh(sum));
+                }
+            }
+        }
+    }
+}
+#else
+int64_t loraplex_lora_amx_init(void) { return 0; }
+#endif
+
 int64_t loraplex_lora_has_dpbf16(void) { return 1; }
 
-/* Returns 0, or as loraplex_lora_short (4 also when a block is not bf16). x and y bf16. */
+/* Returns 0, or as loraplex_lora_short (4 also when a block is not bf16; 6: tiles asked for in
+ * a build or process without AMX). x and y bf16. tiles: 1 runs the modules it can on AMX tiles
+ * (after loraplex_lora_amx_init said 1), 0 every module on pair dot products. */
 int64_t loraplex_lora_long_bf16(const void *x, int64_t x_stride, void *y, int64_t y_stride,
-                                int64_t num_rows, int64_t d_in, int64_t y_cols,
+                                int64_t num_rows, int64_t d_in, int64_t y_cols, int64_t tiles,
                                 int64_t num_segments, const segment_t *segs,
                                 const float *scales, int64_t num_threads) {
     const int64_t bad = check_segments(segs, num_segments, num_rows, d_in, y_cols, 1);
     if (bad) return bad;
-    /* h's size (each module its own block of rows x even rank) and the work lists */
-    int64_t h_total = 0, num_shrinks = 0, num_items = 0, max_pairs = 0;
+#ifndef LORA_AMX
+    if (tiles) return 6;
+#endif
+    /* h's size (each module its own block of rows x its row length) and the work lists */
+    int64_t h_total = 0, num_shrinks = 0, num_items = 0, max_pairs = 0, max_bt = 0;
     for (int64_t s = 0; s < num_segments; s++) {
         const segment_t *sg = &segs[s];
         const int64_t rows = sg->hi - sg->lo, blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK;
         for (int64_t j = 0; j < sg->num_modules; j++) {
             const module_t *m = &modules_of(sg)[j];
-            const int64_t pairs = (m->rank + 1) / 2;
+            int64_t pairs = (m->rank + 1) / 2;
+#ifdef LORA_AMX
+            if (tiles && amx_module(m, d_in)) {
+                pairs = (m->rank + 31) / 32 * 16;
+                const int64_t bt = (d_in / 32) * ((m->rank + 15) / 16) * 256;
+                max_bt = bt > max_bt ? bt : max_bt;
+            }
+#endif
             max_pairs = pairs > max_pairs ? pairs : max_pairs;
             h_total += rows * 2 * pairs;
             num_shrinks += blocks;
@@ -1115,13 +1293,16 @@ int64_t loraplex_lora_long_bf16(const void *x, int64_t x_stride, void *y, int64_
     typedef struct {
         const segment_t *sg;
         const module_t *m;
-        int64_t r0, r1, c0, c1, h_at, hs;
+        int64_t r0, r1, c0, c1, h_at, hs, tiled;
         float scale;
     } work_t;
     const int nt = num_threads > 1 ? (int)num_threads : 1;
+    /* per thread: the expand's rank pairs; with tiles also A's B tiles and a padded 16-row
+     * block of x (shrink) or h (expand) */
+    const int64_t per_thread = max_pairs * TILE + (max_bt ? max_bt + 8 * d_in + 8 * 64 : 0) + 16;
     uint16_t *h = malloc((size_t)(h_total + 1) * sizeof(uint16_t));
     work_t *work = malloc((size_t)(num_shrinks + num_items + 1) * sizeof(work_t));
-    uint32_t *packs = malloc((size_t)(nt * (max_pairs * TILE) + 1) * sizeof(uint32_t));
+    uint32_t *packs = aligned_alloc(64, (size_t)((nt * per_thread + 15) / 16 * 64));
     if (h == NULL || work == NULL || packs == NULL) {
         free(h);
         free(work);
@@ -1134,39 +1315,68 @@ int64_t loraplex_lora_long_bf16(const void *x, int64_t x_stride, void *y, int64_
         const int64_t rows = sg->hi - sg->lo;
         for (int64_t j = 0; j < sg->num_modules; j++) {
             const module_t *m = &modules_of(sg)[j];
-            const int64_t hs = 2 * ((m->rank + 1) / 2);
+            int64_t tiled = 0, hs = 2 * ((m->rank + 1) / 2);
+#ifdef LORA_AMX
+            if (tiles && amx_module(m, d_in)) {
+                tiled = 1;
+                hs = (m->rank + 31) / 32 * 32;
+            }
+#endif
             for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK) {
                 const int64_t r1 = r0 + ROW_BLOCK < rows ? r0 + ROW_BLOCK : rows;
-                work[ns++] = (work_t){sg, m, r0, r1, 0, 0, h_at, hs, scales[s]};
+                work[ns++] = (work_t){sg, m, r0, r1, 0, 0, h_at, hs, tiled, scales[s]};
                 for (int64_t c0 = m->start; c0 < m->end; c0 += TILE)
                     work[ni++] = (work_t){sg, m, r0, r1, c0,
                                           c0 + TILE < m->end ? c0 + TILE : m->end, h_at, hs,
-                                          scales[s]};
+                                          tiled, scales[s]};
             }
             h_at += rows * hs;
         }
     }
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
-#pragma omp for schedule(static, 1)
-        for (int64_t t = 0; t < num_shrinks; t++) {
-            const work_t *w = &work[t];
-            shrink_dp((const uint16_t *)x + (w->sg->lo + w->r0) * x_stride, x_stride,
-                      w->r1 - w->r0, d_in, w->m, h + w->h_at + w->r0 * w->hs, w->hs);
-        }
         int me = 0;
 #ifdef _OPENMP
         me = omp_get_thread_num();
 #endif
-        uint32_t *pack = packs + (int64_t)me * max_pairs * TILE;
+        uint32_t *pack = packs + (int64_t)me * per_thread;
+#ifdef LORA_AMX
+        uint32_t *bt = pack + max_pairs * TILE;
+        uint16_t *pad = (uint16_t *)(bt + max_bt);
+        if (tiles) amx_config();
+#endif
+#pragma omp for schedule(static, 1)
+        for (int64_t t = 0; t < num_shrinks; t++) {
+            const work_t *w = &work[t];
+            const uint16_t *xs = (const uint16_t *)x + (w->sg->lo + w->r0) * x_stride;
+            uint16_t *hb = h + w->h_at + w->r0 * w->hs;
+#ifdef LORA_AMX
+            if (w->tiled) {
+                pack_a_tiles(w->m, d_in, bt);
+                shrink_amx(xs, x_stride, w->r1 - w->r0, d_in, w->m, hb, w->hs, bt, pad);
+                continue;
+            }
+#endif
+            shrink_dp(xs, x_stride, w->r1 - w->r0, d_in, w->m, hb, w->hs);
+        }
 #pragma omp for schedule(static, 1)
         for (int64_t t = num_shrinks; t < num_shrinks + num_items; t++) {
             const work_t *w = &work[t];
             const int64_t n = w->c1 - w->c0, n64 = (n + 63) / 64 * 64;
+            const uint16_t *hb = h + w->h_at + w->r0 * w->hs;
+            uint16_t *yb = (uint16_t *)y + (w->sg->lo + w->r0) * y_stride + w->c0;
             pack_pairs(w->m, w->c0, n, n64, pack);
-            expand_dp(h + w->h_at + w->r0 * w->hs, w->hs, w->r1 - w->r0, w->hs / 2, pack, n,
-                      n64, w->scale,
-                      (uint16_t *)y + (w->sg->lo + w->r0) * y_stride + w->c0, y_stride);
+#ifdef LORA_AMX
+            if (w->tiled) {  /* rank pairs up to h's depth: zero */
+                const int64_t have = (w->m->rank + 1) / 2;
+                memset(pack + have * n64, 0, (size_t)((w->hs / 2 - have) * n64) * 4);
+                expand_amx(hb, w->hs, w->r1 - w->r0, pack, n, n64, w->scale, yb, y_stride,
+                           pad);
+                continue;
+            }
+#endif
+            expand_dp(hb, w->hs, w->r1 - w->r0, w->hs / 2, pack, n, n64, w->scale, yb,
+                      y_stride);
         }
     }
     free(h);
