@@ -74,13 +74,15 @@ def paged_attention(q: torch.Tensor, kv_pool: torch.Tensor, meta: AttentionMetad
     return out
 
 
-# In bf16 on a CPU with AMX the native prefill kernel (float32 tiles) is faster than SDPA up to
-# about this many keys a sequence; past it SDPA's bf16 kernel, on AMX tiles, is (one Sapphire
-# Rapids thread, SmolLM2's heads: native 1.2x at 64-128 keys, 0.69x at 192, 0.47x at 1024;
-# benchmarks/decode_attention_bench.py --prefill). Without AMX the native kernel is the faster
-# one at every length measured (one Zen 4 thread, AVX512-BF16: 1.88-2.15x at 120-500 keys,
-# 1.35-1.44x at 900-2000, whole prompts and 256-token chunks): no limit there.
-_BF16_NATIVE_PREFILL_KEYS = 128
+# In bf16 on a CPU with AMX the native prefill kernel (pair dot products) is faster than SDPA
+# up to about this many keys a sequence; past it SDPA's bf16 kernel, on AMX tiles, is (one
+# Sapphire Rapids-class thread, SmolLM2's heads, 16 whole prompts, `decode_attention_bench.py
+# --prefill`: native 1.77x at 60-70 keys, 1.31x at 100-128, 1.07x at 150-200, 0.91x at
+# 250-300, 0.82x at 450-512; the kernel of an earlier visit crossed over at 128). Without AMX
+# the native kernel is the faster one at every length measured (one Zen 4 thread,
+# AVX512-BF16: 1.88-2.15x at 120-500 keys, 1.35-1.44x at 900-2000, whole prompts and
+# 256-token chunks): no limit there.
+_BF16_NATIVE_PREFILL_KEYS = 224
 
 
 @functools.cache
