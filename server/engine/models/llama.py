@@ -88,8 +88,13 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
 
     On CPU, oneDNN's GEMM on a prepacked weight runs 1.3-1.8x faster than ``F.linear`` (MKL) on
     the few-row inputs of decode steps, in fp32 and bf16 alike, and no slower on prefill chunks.
+    A bf16 weight is packed for batches of 64 rows (oneDNN's batch-size hint): on AMX tiles
+    (the CPUs whose bf16 projections run here) 1.03-1.06x at 1-64 rows and the same at 256-1536
+    as packed with no hint (SmolLM2's projections, one Sapphire Rapids-class core; 1.02-1.04x at
+    two threads).
     """
-    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    hint = 64 if weight.dtype == torch.bfloat16 else None
+    return torch.ops.mkldnn._reorder_linear_weight(weight, hint)
 
 
 class LayerTiles(NamedTuple):
