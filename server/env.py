@@ -60,6 +60,13 @@ def bf16_gemm() -> bool:
     return _switch("BF16_GEMM") not in _OFF
 
 
+def bf16_decode_tiles() -> bool:
+    """``LORAPLEX_BF16_DECODE_TILES``: ``0`` keeps a bf16 model's decode steps on oneDNN's GEMM
+    on a CPU with AMX instead of the tile GEMM on a second copy of the projections
+    (``loraplex/kernels/cpu_gemm``)."""
+    return _switch("BF16_DECODE_TILES") not in _OFF
+
+
 def huge_pages() -> bool:
     """``LORAPLEX_HUGE_PAGES``: ``0`` keeps the CPU engine's packed weights and page pools on
     ordinary pages (``loraplex/kernels/huge_pages``) instead of transparent huge pages."""

@@ -30,7 +30,11 @@ depth pairs (still bf16, the weight's own size): the products exact, summed in f
 rounding; against oneDNN's prepacked bf16 GEMM on a Zen 4 core at SmolLM2's shapes 1.3-2.2x
 on one row, 1.1-1.2x on 32 (decode steps), 0.97-1.03x on 1536 (prefill chunks).
 ``bf16_enabled()`` says whether it serves this process (``LORAPLEX_BF16_GEMM=0`` turns it
-off); ``pack`` of a bf16 weight packs for it (``kind="bf16"``) and ``linear`` runs it.
+off); ``pack`` of a bf16 weight packs for it (``kind="bf16"``) and ``linear`` runs it. On a CPU
+with AMX the same packed weights run on AMX tiles (``kind="bf16_amx"``): 1.2-1.4x oneDNN's
+prepacked bf16 GEMM on decode-sized calls (1-64 rows) and slower on prefill chunks, so a bf16
+model there keeps oneDNN's weights for prefill and a tile copy for decode steps
+(``bf16_decode_tiles_enabled()``, ``LORAPLEX_BF16_DECODE_TILES=0`` turns it off).
 Callers keep their oneDNN/torch GEMM for the rest (no backend, fp16, bf16 elsewhere).
 """
 
@@ -47,8 +51,9 @@ from loraplex.server import env
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BACKENDS", "PackedWeight", "backend", "backends", "bf16_available", "bf16_enabled",
-           "enabled", "linear", "pack"]
+__all__ = ["BACKENDS", "PackedWeight", "backend", "backends", "bf16_available",
+           "bf16_decode_tiles_enabled", "bf16_enabled", "bf16_tiles_available", "enabled",
+           "linear", "pack"]
 
 BACKENDS = ("amx", "fma")
 
@@ -101,6 +106,10 @@ def _bf16_library() -> ctypes.CDLL | None:
         lib.loraplex_bf16_linear.argtypes = [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64,
                                              _int]
         lib.loraplex_bf16_linear.restype = _int
+        lib.loraplex_bf16_amx_init.argtypes = []
+        lib.loraplex_bf16_amx_init.restype = _int
+        lib.loraplex_bf16_linear_tiles.argtypes = lib.loraplex_bf16_linear.argtypes
+        lib.loraplex_bf16_linear_tiles.restype = _int
     return lib
 
 
@@ -115,6 +124,26 @@ def bf16_enabled() -> bool:
     """Whether bf16 projections run on it in this process: available, no AMX (oneDNN's bf16
     GEMM runs on AMX tiles there) and ``LORAPLEX_BF16_GEMM`` not ``0``."""
     return env.bf16_gemm() and bf16_available() and not _amx_usable()
+
+
+def bf16_tiles_available() -> bool:
+    """Whether the bf16 GEMM can run on AMX tiles here (``kind="bf16_amx"``: an AMX build, the
+    CPU's AMX-BF16, the kernel's tile data permission), whatever the switches."""
+    lib = _bf16_library()
+    if lib is None or not bf16_available():
+        return False
+    ok = getattr(lib, "_loraplex_bf16_amx", None)
+    if ok is None:  # once per loaded library
+        ok = bool(lib.loraplex_bf16_amx_init())
+        lib._loraplex_bf16_amx = ok  # type: ignore[attr-defined]
+    return bool(ok)
+
+
+def bf16_decode_tiles_enabled() -> bool:
+    """Whether a bf16 model on oneDNN's GEMMs also keeps its projections packed for the AMX tile
+    GEMM and runs decode-sized calls on it: ``bf16_tiles_available()`` and
+    ``LORAPLEX_BF16_DECODE_TILES`` not ``0``."""
+    return env.bf16_decode_tiles() and bf16_tiles_available()
 
 
 def _amx_usable() -> bool:
@@ -164,14 +193,15 @@ def enabled() -> bool:
 
 class PackedWeight:
     """A ``[d_out, d_in]`` weight in one kernel's panel order (its own dtype: float32 for
-    ``"amx"`` and ``"fma"``, bf16 for ``"bf16"``)."""
+    ``"amx"`` and ``"fma"``, bf16 for ``"bf16"`` and ``"bf16_amx"``: the same pair panels, run on
+    pair dot products or on AMX tiles)."""
 
     def __init__(self, data: torch.Tensor, d_out: int, d_in: int, kind: str,
                  lib: ctypes.CDLL) -> None:
         self.data = data  # the kernel's packed_elems(d_out, d_in) elements
         self.d_out = d_out
         self.d_in = d_in
-        self.kind = kind  # "amx", "fma" or "bf16"
+        self.kind = kind  # "amx", "fma", "bf16" or "bf16_amx"
         self.lib = lib  # the library that packed it runs it
 
     @property
@@ -182,13 +212,13 @@ class PackedWeight:
 def pack(weight: torch.Tensor, kind: str | None = None) -> PackedWeight:
     """The panel-order copy of a CPU float32 ``[d_out, d_in]`` weight (any row stride, unit
     column stride) for ``kind`` (``"amx"`` or ``"fma"``; default ``backend()``), or of a bf16
-    one for ``"bf16"`` (the default for a bf16 weight).
+    one for ``"bf16"`` (the default for a bf16 weight) or ``"bf16_amx"`` (AMX tiles).
 
     Raises:
         ValueError: that kernel cannot run here, or the weight is not such a tensor.
     """
-    if kind == "bf16" or (kind is None and weight.dtype == torch.bfloat16):
-        return _pack_bf16(weight)
+    if kind in ("bf16", "bf16_amx") or (kind is None and weight.dtype == torch.bfloat16):
+        return _pack_bf16(weight, kind or "bf16")
     kind = kind if kind is not None else backend()
     if kind not in BACKENDS or kind not in backends():
         raise ValueError(f"the {kind or 'native'} float32 GEMM is not available here")
@@ -212,10 +242,12 @@ def pack(weight: torch.Tensor, kind: str | None = None) -> PackedWeight:
     return PackedWeight(data, d_out, d_in, kind, lib)
 
 
-def _pack_bf16(weight: torch.Tensor) -> PackedWeight:
+def _pack_bf16(weight: torch.Tensor, kind: str) -> PackedWeight:
     if not bf16_available():
         raise ValueError("the bf16 GEMM is not available here (no AVX512-BF16, or native "
                          "kernels off)")
+    if kind == "bf16_amx" and not bf16_tiles_available():
+        raise ValueError("the bf16 GEMM on AMX tiles is not available here (no AMX)")
     if (weight.dim() != 2 or weight.dtype != torch.bfloat16 or not weight.is_cpu
             or weight.stride(1) != 1):
         raise ValueError("pack takes a CPU bf16 [d_out, d_in] weight with unit column "
@@ -227,7 +259,7 @@ def _pack_bf16(weight: torch.Tensor) -> PackedWeight:
     data = huge_pages.empty(lib.loraplex_bf16_packed_elems(d_out, d_in), torch.bfloat16)
     lib.loraplex_bf16_pack(weight.data_ptr(), weight.stride(0), d_out, d_in, data.data_ptr(),
                            torch.get_num_threads())
-    return PackedWeight(data, d_out, d_in, "bf16", lib)
+    return PackedWeight(data, d_out, d_in, kind, lib)
 
 
 def _linear_bf16(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -243,7 +275,8 @@ def _linear_bf16(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) ->
     y = torch.empty(rows, w.d_out, dtype=torch.bfloat16)
     if rows == 0:
         return y
-    status = w.lib.loraplex_bf16_linear(
+    fn = w.lib.loraplex_bf16_linear_tiles if w.kind == "bf16_amx" else w.lib.loraplex_bf16_linear
+    status = fn(
         x.data_ptr(), x.stride(0), w.data.data_ptr(),
         bias.data_ptr() if bias is not None else None, y.data_ptr(), y.stride(0), rows,
         w.d_out, w.d_in, torch.get_num_threads())
@@ -268,12 +301,12 @@ def _scratch_for(elems: int) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight^T + bias`` for ``x [T, d_in]`` float32 (unit column stride) and a packed
-    weight: ``[T, d_out]`` float32; bf16 in and out for a ``"bf16"`` weight.
+    weight: ``[T, d_out]`` float32; bf16 in and out for a ``"bf16"`` / ``"bf16_amx"`` weight.
 
     Raises:
         ValueError: ``x`` or ``bias`` do not match the weight.
     """
-    if w.kind == "bf16":
+    if w.kind in ("bf16", "bf16_amx"):
         return _linear_bf16(x, w, bias)
     if (x.dim() != 2 or x.dtype != torch.float32 or not x.is_cpu or x.shape[1] != w.d_in
             or x.stride(1) != 1):

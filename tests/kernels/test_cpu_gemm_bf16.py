@@ -22,6 +22,10 @@ from loraplex.server.engine.models import llama
 
 needs_kernel = pytest.mark.skipif(not cpu_gemm.bf16_available(),
                                   reason="no AVX512-BF16 (or native kernels off)")
+needs_tiles = pytest.mark.skipif(not cpu_gemm.bf16_tiles_available(),
+                                 reason="a CPU without AMX tiles (or native kernels off)")
+# the pair dot products, and the same packed weights on AMX tiles where the CPU has them
+KINDS = ["bf16", pytest.param("bf16_amx", marks=needs_tiles)]
 
 # (d_out, d_in): one panel; an odd depth under a pair; panels off the 6-panel tile with an
 # odd depth; widths off the 16-column panel; SmolLM2's qkv; a depth of two chunks (1100 pairs);
@@ -30,6 +34,9 @@ needs_kernel = pytest.mark.skipif(not cpu_gemm.bf16_available(),
 SHAPES = [(16, 32), (5, 1), (37, 133), (100, 64), (7, 576), (960, 576), (40, 2200),
           (32, 17), (1024, 64), (80, 40)]
 ROWS = [1, 3, 4, 5, 32, 65, 130]  # off the 4-row tile, one 64-row task, three
+# the tiles': under one 16-row tile, 16-row tiles (17 and under), a 32-row pair and one more,
+# a last pair of 17-31 rows (one tile in place, one padded), two 256-row blocks
+TILE_ROWS = [1, 15, 16, 17, 31, 32, 33, 48, 63, 64, 300]
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
@@ -45,20 +52,23 @@ def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
 
 
 @needs_kernel
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{o}x{i}" for o, i in SHAPES])
-def test_within_one_rounding_of_float64(shape: tuple[int, int], bias: bool, threads: int) -> None:
+def test_within_one_rounding_of_float64(shape: tuple[int, int], bias: bool, threads: int,
+                                        kind: str) -> None:
+    # on tiles: depths of 32 and 576 (and 64) run there, the others on pair dot products
     d_out, d_in = shape
     gen = torch.Generator().manual_seed(d_out * 7919 + d_in)
     w = torch.randn(d_out, d_in, generator=gen).mul(0.1).to(torch.bfloat16)
     b = torch.randn(d_out, generator=gen).to(torch.bfloat16) if bias else None
-    packed = cpu_gemm.pack(w)
-    assert packed.kind == "bf16" and packed.data.dtype == torch.bfloat16
+    packed = cpu_gemm.pack(w, kind)
+    assert packed.kind == kind and packed.data.dtype == torch.bfloat16
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for rows in ROWS:
+        for rows in ROWS if kind == "bf16" else TILE_ROWS:
             # rows of a wider tensor (a row stride over d_in), as the engine's views are
             wide = torch.randn(rows, d_in + 3, generator=gen).to(torch.bfloat16)
             x = wide[:, :d_in]
@@ -98,6 +108,25 @@ def test_an_odd_depth_never_reads_past_its_row() -> None:
     assert ((y.double() - exact).abs() <= bound).all()
 
 
+@needs_tiles
+def test_tiles_a_nan_stays_in_its_row() -> None:
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(100, 96, generator=gen).mul(0.1).to(torch.bfloat16)
+    x = torch.randn(40, 96, generator=gen).to(torch.bfloat16)
+    x[20, 70] = float("nan")
+    y = cpu_gemm.linear(x, cpu_gemm.pack(w, "bf16_amx"))
+    assert y[20].isnan().all() and y[torch.arange(40) != 20].isfinite().all()
+
+
+def test_tiles_refused_where_the_cpu_has_none() -> None:
+    if cpu_gemm.bf16_tiles_available():
+        pytest.skip("this CPU has AMX tiles")
+    if not cpu_gemm.bf16_available():
+        pytest.skip("no AVX512-BF16: pack refuses bf16 altogether")
+    with pytest.raises(ValueError, match="AMX"):
+        cpu_gemm.pack(torch.randn(16, 32).to(torch.bfloat16), "bf16_amx")
+
+
 @needs_kernel
 def test_bad_arguments_are_clear_errors() -> None:
     w = torch.randn(32, 64).to(torch.bfloat16)
@@ -113,7 +142,11 @@ def test_bad_arguments_are_clear_errors() -> None:
     assert cpu_gemm.linear(torch.empty(0, 64, dtype=torch.bfloat16), packed).shape == (0, 32)
 
 
-def test_the_switch_turns_it_off(monkeypatch) -> None:
+def test_the_switches_turn_them_off(monkeypatch) -> None:
+    monkeypatch.delenv("LORAPLEX_BF16_DECODE_TILES", raising=False)
+    assert cpu_gemm.bf16_decode_tiles_enabled() == cpu_gemm.bf16_tiles_available()
+    monkeypatch.setenv("LORAPLEX_BF16_DECODE_TILES", "0")
+    assert not cpu_gemm.bf16_decode_tiles_enabled()
     monkeypatch.delenv("LORAPLEX_BF16_GEMM", raising=False)
     # on by default where it is built and the CPU has no AMX (oneDNN's bf16 runs on AMX tiles)
     assert cpu_gemm.bf16_enabled() == (cpu_gemm.bf16_available() and not cpu_gemm._amx_usable())
@@ -199,3 +232,90 @@ def test_engine_logprobs_stay_within_bf16_rounding_of_onednn(tmp_path, monkeypat
         if on[r][0] == off[r][0]:  # the same first token: its log-probability beside it
             assert abs(on[r][1] - off[r][1]) < 0.05, (r, on[r], off[r])
     assert sum(on[r][0] == off[r][0] for r in on) >= 4
+
+
+@needs_tiles
+def test_model_runs_decode_sized_calls_on_tiles_and_prefill_on_onednn(tmp_path, monkeypatch):
+    # on a CPU with AMX a bf16 model keeps oneDNN's packed weights and a tile copy: calls of up
+    # to DECODE_TILE_ROWS rows (LM_HEAD_TILE_ROWS for the lm_head) run on the tiles
+    from loraplex.server.engine.models.config import ModelConfig
+    from loraplex.server.engine.models.loader import load_weights
+    from tests.helpers import make_model
+
+    monkeypatch.delenv("LORAPLEX_BF16_DECODE_TILES", raising=False)
+    path = make_model(tmp_path / "m", "qwen2", seed=3)  # qkv with a bias
+    config = ModelConfig.from_pretrained(path)
+    cpu = torch.device("cpu")
+    model = load_weights(path, config, torch.bfloat16, cpu)
+    assert model.tiles is None and model.decode_tiles is not None
+    assert all(p.kind == "bf16_amx" for t in model.decode_tiles for p in t)
+    assert model.lm_head_decode_tiles is not None
+    assert all(w.qkv.is_mkldnn for w in model.layers)  # oneDNN's copy for prefill chunks
+    calls: list[tuple[int, str]] = []
+    original = cpu_gemm.linear
+    monkeypatch.setattr(cpu_gemm, "linear", lambda x, w, b=None: (
+        calls.append((x.shape[0], w.kind)), original(x, w, b))[1])
+    w = model.layers[0]
+    for rows in (5, llama.DECODE_TILE_ROWS, llama.DECODE_TILE_ROWS + 1):
+        x = torch.randn(rows, config.hidden_size).to(torch.bfloat16)
+        tiles = model.decode_tiles[0].qkv if rows <= llama.DECODE_TILE_ROWS else None
+        got = llama.linear(x, w.qkv, w.qkv_bias, tiles)
+        ref = llama.linear(x, w.qkv, w.qkv_bias)  # oneDNN
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2.0 ** -7, atol=2e-2)
+    calls.clear()
+    for rows in (3, llama.LM_HEAD_TILE_ROWS + 1):
+        model.compute_logits(torch.randn(rows, config.hidden_size).to(torch.bfloat16))
+    assert calls == [(3, "bf16_amx")]
+    monkeypatch.setenv("LORAPLEX_BF16_DECODE_TILES", "0")
+    off = load_weights(path, config, torch.bfloat16, cpu)
+    assert off.decode_tiles is None and off.lm_head_decode_tiles is None
+
+
+@needs_tiles
+def test_engine_decode_on_tiles_stays_within_bf16_rounding(tmp_path, monkeypatch):
+    # six requests: their prefill (over 64 rows) on oneDNN, their decode steps on the tiles;
+    # every request completes, and the second token's log-probability (a decode step's) is
+    # within bf16's rounding of the all-oneDNN engine's where both chose the same tokens
+    from loraplex.server.config import EngineConfig, SchedulerConfig
+    from loraplex.server.engine.engine import Engine
+    from loraplex.server.engine.request import SamplingParams
+    from tests.helpers import make_model, random_prompts
+
+    model = make_model(tmp_path / "m", "llama", seed=11)
+    prompts = random_prompts(6, seed=4, low=20, high=60)
+    kinds: list[str] = []
+    rows: list[int] = []
+    original = cpu_gemm.linear
+    monkeypatch.setattr(cpu_gemm, "linear", lambda x, w, b=None: (
+        kinds.append(w.kind), rows.append(x.shape[0]), original(x, w, b))[2])
+
+    def generate():
+        engine = Engine(EngineConfig(model=str(model), dtype="bfloat16", num_pages=128,
+                                     scheduler=SchedulerConfig(page_size=4)))
+        tokens: dict[str, list[tuple[int, float]]] = {f"r{i}": [] for i in range(len(prompts))}
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, SamplingParams(max_tokens=6, ignore_eos=True,
+                                                          logprobs=1))
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.request_id] += [(t, lp.logprob) for t, lp in
+                                           zip(out.new_token_ids, out.logprobs)]
+        return engine, tokens
+
+    monkeypatch.delenv("LORAPLEX_BF16_DECODE_TILES", raising=False)
+    engine, on = generate()
+    assert engine.runner.model.decode_tiles is not None
+    assert set(kinds) == {"bf16_amx"}  # and only decode-sized calls: the prefill on oneDNN
+    assert 0 < max(rows) <= llama.DECODE_TILE_ROWS
+    assert sum(len(p) for p in prompts) > llama.DECODE_TILE_ROWS
+    monkeypatch.setenv("LORAPLEX_BF16_DECODE_TILES", "0")
+    kinds.clear()
+    engine, off = generate()
+    assert engine.runner.model.decode_tiles is None and kinds == []
+    assert all(len(on[r]) == len(off[r]) == 6 for r in on)
+    compared = 0
+    for r in on:
+        if [t for t, _ in on[r][:2]] == [t for t, _ in off[r][:2]]:
+            assert abs(on[r][1][1] - off[r][1][1]) < 0.05, (r, on[r], off[r])
+            compared += 1
+    assert compared >= 3
