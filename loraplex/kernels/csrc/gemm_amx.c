@@ -84,36 +84,10 @@ int64_t loraplex_amx_scratch_elems(int64_t m, int64_t k, int threads) {
 
 #ifdef LORAPLEX_AMX
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette, start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-static void load_config(void) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        c.colsb[i] = 64;
-        c.rows[i] = 16;
-    }
-    _tile_loadconfig(&c);
-}
+#include "amx_tiles.h"
 
 /* 1: the CPU has AMX-TILE and AMX-BF16 and the kernel lets this process use the tile data */
-int loraplex_amx_init(void) {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d))
-        return 0;
-    if (!((d >> 22) & 1) || !((d >> 24) & 1))  /* AMX-BF16, AMX-TILE */
-        return 0;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
+int loraplex_amx_init(void) { return amx_request(); }
 
 /* the first `count` (<= 16) floats of v split into three bf16 parts, zero past count */
 static inline void split16(const float *v, int count, uint16_t *h, uint16_t *m, uint16_t *l) {
@@ -367,7 +341,7 @@ int loraplex_amx_linear(const float *x, int64_t ldx, const float *w, const float
                         t + 2 * TILE_ELEMS + 16, t + 4 * TILE_ELEMS + 16);
             }
         }
-        load_config();
+        amx_config();
         float c[32 * 32];
         uint16_t *mine = split_w;
 #ifdef _OPENMP

@@ -243,34 +243,12 @@ int loraplex_bf16_linear(const uint16_t *x, int64_t xs, const uint16_t *packed,
 #if defined(HAVE_DPBF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
     defined(__linux__) && defined(__x86_64__)
 #define BF16_AMX 1
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 
 #define BM 256  /* rows of a task */
 
 /* 1: the CPU has AMX-TILE and AMX-BF16 and the kernel lets this process use the tile data */
-int loraplex_bf16_amx_init(void) {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
-    if (!((d >> 22) & 1) || !((d >> 24) & 1)) return 0;  /* AMX-BF16, AMX-TILE */
-    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-}
-
-static void amx_config(void) {
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        c.colsb[i] = 64;
-        c.rows[i] = 16;
-    }
-    _tile_loadconfig(&c);
-}
+int loraplex_bf16_amx_init(void) { return amx_request(); }
 
 /* Accumulator tiles of rows of x tile t (16 rows at xa_t, row stride s_t) against panel j
  * (b + j * pstride), over depth blocks kb0 .. kb1 - 1: t < mt <= 2, j < np, mt * np <= 4;

@@ -1049,6 +1049,16 @@ static void pack_pairs(const module_t *m, int64_t c0, int64_t n, int64_t n64, ui
     }
 }
 
+/* y[0 .. min(left, 16) - 1] = bf16(y + scale * acc), bf16 y widened exactly; vcvtneps2bf16 is
+ * to_bf16's rounding in one instruction (1.12-1.15x on a prefill chunk's LoRA, Zen 4), sums
+ * under 2^-126 flushed to zero */
+static inline void y_add16(uint16_t *y, int64_t left, __m512 scale, __m512 acc) {
+    const __mmask16 mk = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+    const __m256i old = _mm256_maskz_loadu_epi16(mk, y);
+    const __m512 wide = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(old), 16));
+    _mm256_mask_storeu_epi16(y, mk, (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(scale, acc, wide)));
+}
+
 /* y[i, c0 + c] = bf16(y + scale * sum_k h[i, k] BT[k, c0 + c]) for c < n: 4 rows x 64 columns
  * of float32 sums, one vdpbf16ps per rank pair and 16 columns */
 static void expand_dp(const uint16_t *h, int64_t hs, int64_t rows, int64_t rank_pairs,
@@ -1075,19 +1085,8 @@ static void expand_dp(const uint16_t *h, int64_t hs, int64_t rows, int64_t rank_
                 if (i + j + 4 < rows)  /* the row four on: out of L2 after the base GEMM */
                     for (int64_t q = 0; q < 128 && c + q / 2 < n; q += 64)
                         __builtin_prefetch((const char *)(yr + 4 * ys + c) + q, 1, 3);
-                for (int v = 0; v < 4; v++) {
-                    const int64_t at = c + 16 * v, left = n - at;
-                    if (left <= 0) break;
-                    const __mmask16 mk = left >= 16 ? (__mmask16)0xffff
-                                                    : (__mmask16)((1u << left) - 1);
-                    const __m256i old = _mm256_maskz_loadu_epi16(mk, yr + at);
-                    const __m512 wide = _mm512_castsi512_ps(
-                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(old), 16));
-                    const __m512 sum = _mm512_fmadd_ps(_mm512_set1_ps(scale), acc[j][v], wide);
-                    /* vcvtneps2bf16: to_bf16's rounding in one instruction (1.12-1.15x on a
-                     * prefill chunk's LoRA, Zen 4), sums under 2^-126 flushed to zero */
-                    _mm256_mask_storeu_epi16(yr + at, mk, (__m256i)_mm512_cvtneps_pbh(sum));
-                }
+                for (int v = 0; v < 4 && c + 16 * v < n; v++)
+                    y_add16(yr + c + 16 * v, n - c - 16 * v, _mm512_set1_ps(scale), acc[j][v]);
             }
         }
     }
@@ -1113,34 +1112,12 @@ static void expand_dp(const uint16_t *h, int64_t hs, int64_t rows, int64_t rank_
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__) && \
     defined(__x86_64__) && VW == 16
 #define LORA_AMX 1
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 
 enum { AMX_MAX_RANK = 64 };
 
 /* 1: the CPU has AMX-TILE and AMX-BF16 and the kernel lets this process use the tile data */
-int64_t loraplex_lora_amx_init(void) {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
-    if (!((d >> 22) & 1) || !((d >> 24) & 1)) return 0;  /* AMX-BF16, AMX-TILE */
-    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-}
-
-static void amx_config(void) {
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        c.colsb[i] = 64;
-        c.rows[i] = 16;
-    }
-    _tile_loadconfig(&c);
-}
+int64_t loraplex_lora_amx_init(void) { return amx_request(); }
 
 static inline int amx_module(const module_t *m, int64_t d_in) {
     return d_in % 32 == 0 && m->rank <= AMX_MAX_RANK;
@@ -1239,17 +1216,8 @@ static void expand_amx(const uint16_t *h, int64_t hs, int64_t rows, const uint32
             _tile_stored(2, c[2], 64); _tile_stored(3, c[3], 64);
             for (int64_t r = 0; r < valid; r++) {
                 uint16_t *yr = y + (i + r) * ys;
-                for (int v = 0; v < 4; v++) {
-                    const int64_t at = c0 + 16 * v, left = n - at;
-                    if (left <= 0) break;
-                    const __mmask16 mk = left >= 16 ? (__mmask16)0xffff
-                                                    : (__mmask16)((1u << left) - 1);
-                    const __m256i old = _mm256_maskz_loadu_epi16(mk, yr + at);
-                    const __m512 wide = _mm512_castsi512_ps(
-                        _mm512_slli_epi32(_mm512_cvtepu16_epi32(old), 16));
-                    const __m512 sum = _mm512_fmadd_ps(sv, _mm512_loadu_ps(c[v] + 16 * r), wide);
-                    _mm256_mask_storeu_epi16(yr + at, mk, (__m256i)_mm512_cvtneps_pbh(sum));
-                }
+                for (int v = 0; v < 4 && c0 + 16 * v < n; v++)
+                    y_add16(yr + c0 + 16 * v, n - c0 - 16 * v, sv, _mm512_loadu_ps(c[v] + 16 * r));
             }
         }
     }
