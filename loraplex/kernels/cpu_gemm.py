@@ -41,15 +41,12 @@ Callers keep their oneDNN/torch GEMM for the rest (no backend, fp16, bf16 elsewh
 from __future__ import annotations
 
 import ctypes
-import logging
 import threading
 
 import torch
 
 from loraplex.kernels import huge_pages, native
 from loraplex.server import env
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["BACKENDS", "PackedWeight", "backend", "backends", "bf16_available",
            "bf16_decode_tiles_enabled", "bf16_enabled", "bf16_tiles_available", "enabled",
@@ -63,8 +60,6 @@ _p, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 def _amx_library() -> ctypes.CDLL | None:
     lib = native.library("gemm_amx")
     if lib is not None and lib.loraplex_amx_linear.argtypes is None:  # first use of this load
-        lib.loraplex_amx_init.argtypes = []
-        lib.loraplex_amx_init.restype = _int
         lib.loraplex_amx_packed_elems.argtypes = [_i64, _i64]
         lib.loraplex_amx_packed_elems.restype = _i64
         lib.loraplex_amx_scratch_elems.argtypes = [_i64, _i64, _int]
@@ -106,8 +101,6 @@ def _bf16_library() -> ctypes.CDLL | None:
         lib.loraplex_bf16_linear.argtypes = [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64,
                                              _int]
         lib.loraplex_bf16_linear.restype = _int
-        lib.loraplex_bf16_amx_init.argtypes = []
-        lib.loraplex_bf16_amx_init.restype = _int
         lib.loraplex_bf16_linear_tiles.argtypes = lib.loraplex_bf16_linear.argtypes
         lib.loraplex_bf16_linear_tiles.restype = _int
     return lib
@@ -132,11 +125,7 @@ def bf16_tiles_available() -> bool:
     lib = _bf16_library()
     if lib is None or not bf16_available():
         return False
-    ok = getattr(lib, "_loraplex_bf16_amx", None)
-    if ok is None:  # once per loaded library
-        ok = bool(lib.loraplex_bf16_amx_init())
-        lib._loraplex_bf16_amx = ok  # type: ignore[attr-defined]
-    return bool(ok)
+    return native.probe_once(lib, "loraplex_bf16_amx_init", "AMX bf16 GEMM")
 
 
 def bf16_decode_tiles_enabled() -> bool:
@@ -150,12 +139,7 @@ def _amx_usable() -> bool:
     lib = _amx_library()
     if lib is None:
         return False
-    ok = getattr(lib, "_loraplex_amx", None)
-    if ok is None:  # once per loaded library: the CPU check and the tile-data permission
-        ok = bool(lib.loraplex_amx_init())
-        lib._loraplex_amx = ok  # type: ignore[attr-defined]
-        logger.info("AMX float32 GEMM %s", "on" if ok else "unavailable on this CPU")
-    return bool(ok)
+    return native.probe_once(lib, "loraplex_amx_init", "AMX float32 GEMM")
 
 
 def backends() -> list[str]:

@@ -166,13 +166,7 @@ def tiles_available() -> bool:
     lib = _long_bf16_library()
     if lib is None or not hasattr(lib, "loraplex_lora_amx_init"):
         return False
-    ok = getattr(lib, "_loraplex_amx", None)
-    if ok is None:  # once per loaded library: the CPU check and the permission request
-        lib.loraplex_lora_amx_init.argtypes = []
-        lib.loraplex_lora_amx_init.restype = ctypes.c_int64
-        ok = bool(lib.loraplex_lora_amx_init())
-        lib._loraplex_amx = ok  # type: ignore[attr-defined]
-    return bool(ok)
+    return native.probe_once(lib, "loraplex_lora_amx_init", "AMX LoRA (bf16 prefill)")
 
 
 def has_long_bf16_tiles() -> bool:

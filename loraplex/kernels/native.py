@@ -140,6 +140,19 @@ def library(name: str) -> ctypes.CDLL | None:
         return lib
 
 
+def probe_once(lib: ctypes.CDLL, fn_name: str, what: str) -> bool:
+    """``lib.fn_name()`` (a C function of no arguments returning nonzero for yes) called once per
+    loaded library and its answer kept on it: the kernels' CPU checks, which on AMX also ask the
+    kernel for the tile data permission. The first answer is logged as ``what`` on or not."""
+    cache = lib.__dict__.setdefault("_loraplex_probes", {})
+    if fn_name not in cache:
+        fn = getattr(lib, fn_name)
+        fn.argtypes, fn.restype = [], ctypes.c_int  # 0 or 1 (int or int64_t in C)
+        cache[fn_name] = bool(fn())
+        logger.info("%s %s", what, "on" if cache[fn_name] else "unavailable on this CPU")
+    return bool(cache[fn_name])
+
+
 def available(name: str) -> bool:
     """Whether ``library(name)`` loads (building it if needed)."""
     return library(name) is not None

@@ -250,26 +250,22 @@ int loraplex_bf16_linear(const uint16_t *x, int64_t xs, const uint16_t *packed,
 /* 1: the CPU has AMX-TILE and AMX-BF16 and the kernel lets this process use the tile data */
 int loraplex_bf16_amx_init(void) { return amx_request(); }
 
+/* the next panel group's kb-th share of lines (16 a panel), on its way into L2 */
+static inline void prefetch_share(const char *pf, int64_t kb, int np) {
+    for (int q = 0; q < 16 * np; q++) _mm_prefetch(pf + (kb * 16 * np + q) * 64, _MM_HINT_T1);
+}
+
 /* Accumulator tiles of rows of x tile t (16 rows at xa_t, row stride s_t) against panel j
- * (b + j * pstride), over depth blocks kb0 .. kb1 - 1: t < mt <= 2, j < np, mt * np <= 4;
- * tile and c index t * np_max + j where np_max = 4 / mt (c: 256 floats a tile, read first
- * when load, written after). pf: lines of the next panel group prefetched, 16 np a block. */
+ * (b + j * pstride), over the kbs depth blocks: t < mt <= 2, j < np, mt * np <= 4; tile and c
+ * index t * (4 / mt) + j (c: 256 floats a tile). pf: the next panel group's weights, np
+ * panels of them prefetched over the blocks (NULL: none). */
 static inline void amx_block(const uint16_t *xa0, int64_t s0, const uint16_t *xa1, int64_t s1,
-                             int mt, const uint16_t *b, int64_t pstride, int np, int64_t kb0,
-                             int64_t kb1, const char *pf, float *c, int load) {
-    if (load) {
-        _tile_loadd(0, c, 64);
-        _tile_loadd(1, c + 256, 64);
-        _tile_loadd(2, c + 512, 64);
-        _tile_loadd(3, c + 768, 64);
-    } else {
-        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-    }
+                             int mt, const uint16_t *b, int64_t pstride, int np, int64_t kbs,
+                             const char *pf, float *c) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     if (mt == 2) {
-        for (int64_t kb = kb0; kb < kb1; kb++) {
-            if (pf != NULL)  /* the next group's kb-th share of lines (np panels) */
-                for (int q = 0; q < 16 * np; q++)
-                    _mm_prefetch(pf + (kb * 16 * np + q) * 64, _MM_HINT_T1);
+        for (int64_t kb = 0; kb < kbs; kb++) {
+            if (pf != NULL) prefetch_share(pf, kb, np);
             _tile_loadd(4, xa0 + 32 * kb, s0 * 2);
             _tile_loadd(5, xa1 + 32 * kb, s1 * 2);
             _tile_loadd(6, b + kb * 512, 64);
@@ -282,10 +278,8 @@ static inline void amx_block(const uint16_t *xa0, int64_t s0, const uint16_t *xa
             }
         }
     } else {
-        for (int64_t kb = kb0; kb < kb1; kb++) {
-            if (pf != NULL)
-                for (int q = 0; q < 16 * np; q++)
-                    _mm_prefetch(pf + (kb * 16 * np + q) * 64, _MM_HINT_T1);
+        for (int64_t kb = 0; kb < kbs; kb++) {
+            if (pf != NULL) prefetch_share(pf, kb, np);
             _tile_loadd(4, xa0 + 32 * kb, s0 * 2);
             _tile_loadd(6, b + kb * 512, 64);
             _tile_dpbf16ps(0, 4, 6);
@@ -391,7 +385,7 @@ int loraplex_bf16_linear_tiles(const uint16_t *x, int64_t xs, const uint16_t *pa
                              ? (const char *)(b + group * pstride) : NULL;
             for (int64_t i = m0; i < m1; i += small ? 16 : 32, pf = NULL) {
                 const units_t u = unit_at(x, xs, pad, d_in, i, m1, !small);
-                amx_block(u.a0, u.s0, u.a1, u.s1, u.mt, b, pstride, np, 0, kbs, pf, c, 0);
+                amx_block(u.a0, u.s0, u.a1, u.s1, u.mt, b, pstride, np, kbs, pf, c);
                 const int per = 4 / u.mt;
                 for (int j = 0; j < np; j++) {
                     amx_store(c + j * 256, u.r0, bias, y + i * ys, ys, (p0 + j) * 16, d_out);
