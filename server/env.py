@@ -61,8 +61,9 @@ def bf16_gemm() -> bool:
 
 
 def bf16_decode_tiles() -> bool:
-    """``LORAPLEX_BF16_DECODE_TILES``: ``0`` keeps a bf16 model's decode steps on oneDNN's GEMM
-    on a CPU with AMX instead of the tile GEMM on a second copy of the projections
+    """``LORAPLEX_BF16_DECODE_TILES``: ``0`` keeps one copy of a bf16 model's projections: on a
+    CPU with AMX oneDNN's (decode steps too, instead of the tile GEMM), on one with AVX512-BF16
+    and no AMX the pair GEMM's (prefill chunks too, instead of oneDNN's GEMM)
     (``loraplex/kernels/cpu_gemm``)."""
     return _switch("BF16_DECODE_TILES") not in _OFF
 

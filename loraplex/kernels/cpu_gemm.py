@@ -28,13 +28,13 @@ bf16 (``csrc/gemm_bf16.c``): on a CPU with AVX512-BF16 and no AMX (Zen 4, Zen 5)
 projections run on pair dot products (vdpbf16ps) over weights packed in 16-column panels of
 depth pairs (still bf16, the weight's own size): the products exact, summed in float32, one
 rounding; against oneDNN's prepacked bf16 GEMM on a Zen 4 core at SmolLM2's shapes 1.3-2.2x
-on one row, 1.1-1.2x on 32 (decode steps), 0.97-1.03x on 1536 (prefill chunks).
-``bf16_enabled()`` says whether it serves this process (``LORAPLEX_BF16_GEMM=0`` turns it
-off); ``pack`` of a bf16 weight packs for it (``kind="bf16"``) and ``linear`` runs it. On a CPU
-with AMX the same packed weights run on AMX tiles (``kind="bf16_amx"``): 1.2-1.4x oneDNN's
-prepacked bf16 GEMM on decode-sized calls (1-64 rows) and slower on prefill chunks, so a bf16
-model there keeps oneDNN's weights for prefill and a tile copy for decode steps
-(``bf16_decode_tiles_enabled()``, ``LORAPLEX_BF16_DECODE_TILES=0`` turns it off).
+on one row, 1.1-1.2x on 32 (decode steps), 0.97-1.03x on 1536 (prefill chunks; 0.81-0.95x on
+a Zen 5 core). ``bf16_enabled()`` says whether it serves this process (``LORAPLEX_BF16_GEMM=0``
+turns it off); ``pack`` of a bf16 weight packs for it (``kind="bf16"``) and ``linear`` runs it.
+On a CPU with AMX the same packed weights run on AMX tiles (``kind="bf16_amx"``): 1.2-1.4x
+oneDNN's prepacked bf16 GEMM on decode-sized calls (1-64 rows) and slower on prefill chunks.
+So a bf16 model keeps oneDNN's weights for prefill and a copy in one of these kinds for decode
+steps (``bf16_decode_kind()``; ``LORAPLEX_BF16_DECODE_TILES=0``: one copy).
 Callers keep their oneDNN/torch GEMM for the rest (no backend, fp16, bf16 elsewhere).
 """
 
@@ -49,7 +49,7 @@ from loraplex.kernels import huge_pages, native
 from loraplex.server import env
 
 __all__ = ["BACKENDS", "PackedWeight", "backend", "backends", "bf16_available",
-           "bf16_decode_tiles_enabled", "bf16_enabled", "bf16_tiles_available", "enabled",
+           "bf16_decode_kind", "bf16_enabled", "bf16_tiles_available", "enabled",
            "linear", "pack"]
 
 BACKENDS = ("amx", "fma")
@@ -128,11 +128,18 @@ def bf16_tiles_available() -> bool:
     return native.probe_once(lib, "loraplex_bf16_amx_init", "AMX bf16 GEMM")
 
 
-def bf16_decode_tiles_enabled() -> bool:
-    """Whether a bf16 model on oneDNN's GEMMs also keeps its projections packed for the AMX tile
-    GEMM and runs decode-sized calls on it: ``bf16_tiles_available()`` and
-    ``LORAPLEX_BF16_DECODE_TILES`` not ``0``."""
-    return env.bf16_decode_tiles() and bf16_tiles_available()
+def bf16_decode_kind() -> str | None:
+    """The kind of the second copy a bf16 model on oneDNN's GEMMs keeps of its projections for
+    decode-sized calls, or None (one copy): ``"bf16_amx"`` where ``bf16_tiles_available()``,
+    else ``"bf16"`` where ``bf16_enabled()`` (AVX512-BF16 without AMX: oneDNN's GEMM is
+    0.81-0.95x faster on prefill chunks on a Zen 5 core, the pair GEMM 1.1-1.7x on decode
+    steps); None with ``LORAPLEX_BF16_DECODE_TILES=0`` (then the one copy is oneDNN's on AMX
+    CPUs, the pair GEMM's elsewhere)."""
+    if not env.bf16_decode_tiles():
+        return None
+    if bf16_tiles_available():
+        return "bf16_amx"
+    return "bf16" if bf16_enabled() else None
 
 
 def _amx_usable() -> bool:

@@ -244,10 +244,13 @@ def test_model_runs_every_projection_on_it_and_the_switch_turns_it_off(kind, tmp
         torch.testing.assert_close(got, F.linear(x, dense.down), rtol=1e-5, atol=1e-5)
     assert calls == [r for r in row_counts for _ in range(2)]
     bf16 = load_weights(path, config, torch.bfloat16, cpu)
-    if cpu_gemm.bf16_enabled():  # bf16's own kernel (test_cpu_gemm_bf16.py), not this one
-        assert bf16.tiles is not None and all(p.kind == "bf16" for t in bf16.tiles for p in t)
-    else:
-        assert bf16.tiles is None and bf16.lm_head_tiles is None
+    # bf16's own kernels (test_cpu_gemm_bf16.py), not this one: oneDNN's weights, and a decode
+    # copy on the pair GEMM or AMX tiles where there is one
+    assert bf16.tiles is None and bf16.lm_head_tiles is None
+    kind = cpu_gemm.bf16_decode_kind()
+    assert (bf16.decode_tiles is not None) == (kind is not None)
+    if kind is not None:
+        assert all(p.kind == kind for t in bf16.decode_tiles for p in t)
     monkeypatch.setenv("LORAPLEX_AMX_GEMM", "0")
     monkeypatch.setenv("LORAPLEX_FMA_GEMM", "0")
     assert not cpu_gemm.enabled()

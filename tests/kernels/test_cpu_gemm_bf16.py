@@ -4,9 +4,11 @@ rounding of the float32 sum on every row, panel and depth tail (odd depths, widt
 16-column panels and 6-panel tiles, a last group of every panel count, row counts off its
 4-row tiles and 64-row tasks, depths over its 512-pair chunks), bias, strided rows, one and two
 threads; a NaN stays in its row, and an odd depth never reads the element past its row. And the
-model: bf16 weights are packed (dense copies dropped) where it is enabled, every projection runs
-on it, ``LORAPLEX_BF16_GEMM=0`` turns it off, and the engine's log-probabilities stay within
-bf16's rounding of oneDNN's.
+model: a bf16 model keeps oneDNN's weights for prefill chunks and a copy on this GEMM (the pair
+GEMM, or AMX tiles) for decode-sized calls, each call of the rows its copy is for, the engine's
+log-probabilities within bf16's rounding of oneDNN's alone; with ``LORAPLEX_BF16_DECODE_TILES=0``
+one copy (every projection on the pair GEMM where there is no AMX, dense copies dropped),
+``LORAPLEX_BF16_GEMM=0`` oneDNN's alone.
 
 Runs where the kernel is built (a CPU with AVX512-BF16: Zen 4, Zen 5, Sapphire Rapids); elsewhere
 the bf16 projections stay on oneDNN and these tests skip (the switch test still runs)."""
@@ -26,6 +28,19 @@ needs_tiles = pytest.mark.skipif(not cpu_gemm.bf16_tiles_available(),
                                  reason="a CPU without AMX tiles (or native kernels off)")
 # the pair dot products, and the same packed weights on AMX tiles where the CPU has them
 KINDS = ["bf16", pytest.param("bf16_amx", marks=needs_tiles)]
+# a bf16 model's decode copy: the pair GEMM (as on Zen 4 / Zen 5), AMX tiles where the CPU has them
+DECODE_KINDS = [pytest.param("bf16", marks=needs_kernel),
+                pytest.param("bf16_amx", marks=needs_tiles)]
+
+
+def _as_on(monkeypatch, kind: str) -> None:
+    """The CPU as a bf16 model sees it: without AMX for ``bf16`` (the pair GEMM's copy), as it is
+    for ``bf16_amx``."""
+    if kind == "bf16":
+        monkeypatch.setattr(cpu_gemm, "_amx_usable", lambda: False)
+        monkeypatch.setattr(cpu_gemm, "bf16_tiles_available", lambda: False)
+    monkeypatch.delenv("LORAPLEX_BF16_GEMM", raising=False)
+    monkeypatch.delenv("LORAPLEX_BF16_DECODE_TILES", raising=False)
 
 # (d_out, d_in): one panel; an odd depth under a pair; panels off the 6-panel tile with an
 # odd depth; widths off the 16-column panel; SmolLM2's qkv; a depth of two chunks (1100 pairs);
@@ -144,10 +159,12 @@ def test_bad_arguments_are_clear_errors() -> None:
 
 def test_the_switches_turn_them_off(monkeypatch) -> None:
     monkeypatch.delenv("LORAPLEX_BF16_DECODE_TILES", raising=False)
-    assert cpu_gemm.bf16_decode_tiles_enabled() == cpu_gemm.bf16_tiles_available()
-    monkeypatch.setenv("LORAPLEX_BF16_DECODE_TILES", "0")
-    assert not cpu_gemm.bf16_decode_tiles_enabled()
     monkeypatch.delenv("LORAPLEX_BF16_GEMM", raising=False)
+    expected = ("bf16_amx" if cpu_gemm.bf16_tiles_available()
+                else "bf16" if cpu_gemm.bf16_enabled() else None)
+    assert cpu_gemm.bf16_decode_kind() == expected
+    monkeypatch.setenv("LORAPLEX_BF16_DECODE_TILES", "0")
+    assert cpu_gemm.bf16_decode_kind() is None
     # on by default where it is built and the CPU has no AMX (oneDNN's bf16 runs on AMX tiles)
     assert cpu_gemm.bf16_enabled() == (cpu_gemm.bf16_available() and not cpu_gemm._amx_usable())
     monkeypatch.setenv("LORAPLEX_BF16_GEMM", "0")
@@ -158,13 +175,14 @@ def test_the_switches_turn_them_off(monkeypatch) -> None:
 
 
 @needs_kernel
-def test_model_runs_every_projection_on_it_and_the_switch_turns_it_off(tmp_path, monkeypatch):
+def test_one_copy_runs_every_projection_on_it_and_the_switch_turns_it_off(tmp_path, monkeypatch):
+    # LORAPLEX_BF16_DECODE_TILES=0 on a CPU without AMX: one copy, the pair GEMM's
     from loraplex.server.engine.models.config import ModelConfig
     from loraplex.server.engine.models.loader import load_tensors, load_weights
     from tests.helpers import make_model
 
-    monkeypatch.setattr(cpu_gemm, "_amx_usable", lambda: False)  # as on Zen 4 / Zen 5
-    monkeypatch.delenv("LORAPLEX_BF16_GEMM", raising=False)
+    _as_on(monkeypatch, "bf16")  # as on Zen 4 / Zen 5
+    monkeypatch.setenv("LORAPLEX_BF16_DECODE_TILES", "0")
     path = make_model(tmp_path / "m", "qwen2", seed=3)  # qkv with a bias
     config = ModelConfig.from_pretrained(path)
     cpu = torch.device("cpu")
@@ -173,6 +191,7 @@ def test_model_runs_every_projection_on_it_and_the_switch_turns_it_off(tmp_path,
     assert all(p.kind == "bf16" for t in model.tiles for p in t)
     assert model.lm_head_tiles is not None and model.lm_head_tiles.kind == "bf16"
     assert all(t.is_meta for w in model.layers for t in (w.qkv, w.o, w.gate_up, w.down))
+    assert model.decode_tiles is None and model.lm_head_decode_tiles is None
     _, dense_layers, _, _ = load_tensors(path, config, torch.bfloat16, cpu)
     calls: list[int] = []
     original = cpu_gemm.linear
@@ -201,8 +220,8 @@ def test_engine_logprobs_stay_within_bf16_rounding_of_onednn(tmp_path, monkeypat
     from loraplex.server.engine.request import SamplingParams
     from tests.helpers import make_model, random_prompts
 
-    monkeypatch.setattr(cpu_gemm, "_amx_usable", lambda: False)
-    monkeypatch.delenv("LORAPLEX_BF16_GEMM", raising=False)
+    _as_on(monkeypatch, "bf16")
+    monkeypatch.setenv("LORAPLEX_BF16_DECODE_TILES", "0")  # one copy: the pair GEMM's
     model = make_model(tmp_path / "m", "llama", seed=11)
     prompts = random_prompts(6, seed=4, low=20, high=60)
 
@@ -234,22 +253,23 @@ def test_engine_logprobs_stay_within_bf16_rounding_of_onednn(tmp_path, monkeypat
     assert sum(on[r][0] == off[r][0] for r in on) >= 4
 
 
-@needs_tiles
-def test_model_runs_decode_sized_calls_on_tiles_and_prefill_on_onednn(tmp_path, monkeypatch):
-    # on a CPU with AMX a bf16 model keeps oneDNN's packed weights and a tile copy: calls of up
-    # to DECODE_TILE_ROWS rows (LM_HEAD_TILE_ROWS for the lm_head) run on the tiles
+@pytest.mark.parametrize("kind", DECODE_KINDS)
+def test_model_runs_decode_sized_calls_on_its_copy_and_prefill_on_onednn(tmp_path, monkeypatch,
+                                                                          kind):
+    # a bf16 model keeps oneDNN's packed weights and a copy of the decode kind: calls of up to
+    # DECODE_TILE_ROWS rows (LM_HEAD_TILE_ROWS[kind] for the lm_head) run on the copy
     from loraplex.server.engine.models.config import ModelConfig
     from loraplex.server.engine.models.loader import load_weights
     from tests.helpers import make_model
 
-    monkeypatch.delenv("LORAPLEX_BF16_DECODE_TILES", raising=False)
+    _as_on(monkeypatch, kind)
     path = make_model(tmp_path / "m", "qwen2", seed=3)  # qkv with a bias
     config = ModelConfig.from_pretrained(path)
     cpu = torch.device("cpu")
     model = load_weights(path, config, torch.bfloat16, cpu)
     assert model.tiles is None and model.decode_tiles is not None
-    assert all(p.kind == "bf16_amx" for t in model.decode_tiles for p in t)
-    assert model.lm_head_decode_tiles is not None
+    assert all(p.kind == kind for t in model.decode_tiles for p in t)
+    assert model.lm_head_decode_tiles is not None and model.lm_head_decode_tiles.kind == kind
     assert all(w.qkv.is_mkldnn for w in model.layers)  # oneDNN's copy for prefill chunks
     calls: list[tuple[int, str]] = []
     original = cpu_gemm.linear
@@ -263,17 +283,27 @@ def test_model_runs_decode_sized_calls_on_tiles_and_prefill_on_onednn(tmp_path, 
         ref = llama.linear(x, w.qkv, w.qkv_bias)  # oneDNN
         torch.testing.assert_close(got.float(), ref.float(), rtol=2.0 ** -7, atol=2e-2)
     calls.clear()
-    for rows in (3, llama.LM_HEAD_TILE_ROWS + 1):
+    limit = llama.LM_HEAD_TILE_ROWS[kind]
+    for rows in (3, limit, limit + 1):
         model.compute_logits(torch.randn(rows, config.hidden_size).to(torch.bfloat16))
-    assert calls == [(3, "bf16_amx")]
+    assert calls == [(3, kind), (limit, kind)]
     monkeypatch.setenv("LORAPLEX_BF16_DECODE_TILES", "0")
     off = load_weights(path, config, torch.bfloat16, cpu)
     assert off.decode_tiles is None and off.lm_head_decode_tiles is None
+    assert (off.tiles is not None) == (kind == "bf16")  # one copy: the pair GEMM's, or oneDNN's
+    # a copy over a quarter of the memory available is not made: one copy, as with the switch
+    monkeypatch.delenv("LORAPLEX_BF16_DECODE_TILES")
+    monkeypatch.setattr(llama, "host_memory_available", lambda: 4 << 10)
+    tight = load_weights(path, config, torch.bfloat16, cpu)
+    assert tight.decode_tiles is None and tight.lm_head_decode_tiles is None
+    assert (tight.tiles is not None) == (kind == "bf16")
+    monkeypatch.setattr(llama, "host_memory_available", lambda: None)  # unknown: both copies
+    assert load_weights(path, config, torch.bfloat16, cpu).decode_tiles is not None
 
 
-@needs_tiles
-def test_engine_decode_on_tiles_stays_within_bf16_rounding(tmp_path, monkeypatch):
-    # six requests: their prefill (over 64 rows) on oneDNN, their decode steps on the tiles;
+@pytest.mark.parametrize("kind", DECODE_KINDS)
+def test_engine_decode_on_its_copy_stays_within_bf16_rounding(tmp_path, monkeypatch, kind):
+    # six requests: their prefill (over 64 rows) on oneDNN, their decode steps on the copy;
     # every request completes, and the second token's log-probability (a decode step's) is
     # within bf16's rounding of the all-oneDNN engine's where both chose the same tokens
     from loraplex.server.config import EngineConfig, SchedulerConfig
@@ -281,6 +311,7 @@ def test_engine_decode_on_tiles_stays_within_bf16_rounding(tmp_path, monkeypatch
     from loraplex.server.engine.request import SamplingParams
     from tests.helpers import make_model, random_prompts
 
+    _as_on(monkeypatch, kind)
     model = make_model(tmp_path / "m", "llama", seed=11)
     prompts = random_prompts(6, seed=4, low=20, high=60)
     kinds: list[str] = []
@@ -302,13 +333,15 @@ def test_engine_decode_on_tiles_stays_within_bf16_rounding(tmp_path, monkeypatch
                                            zip(out.new_token_ids, out.logprobs)]
         return engine, tokens
 
-    monkeypatch.delenv("LORAPLEX_BF16_DECODE_TILES", raising=False)
     engine, on = generate()
     assert engine.runner.model.decode_tiles is not None
-    assert set(kinds) == {"bf16_amx"}  # and only decode-sized calls: the prefill on oneDNN
+    assert set(kinds) == {kind}  # and only decode-sized calls: the prefill on oneDNN
     assert 0 < max(rows) <= llama.DECODE_TILE_ROWS
     assert sum(len(p) for p in prompts) > llama.DECODE_TILE_ROWS
-    monkeypatch.setenv("LORAPLEX_BF16_DECODE_TILES", "0")
+    # oneDNN alone: without AMX that is LORAPLEX_BF16_GEMM=0 (LORAPLEX_BF16_DECODE_TILES=0
+    # keeps the pair GEMM's one copy there)
+    monkeypatch.setenv("LORAPLEX_BF16_GEMM" if kind == "bf16" else "LORAPLEX_BF16_DECODE_TILES",
+                       "0")
     kinds.clear()
     engine, off = generate()
     assert engine.runner.model.decode_tiles is None and kinds == []

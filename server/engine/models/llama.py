@@ -7,6 +7,7 @@ is four matrix multiplies; LoRA deltas are added to the fused outputs slice by s
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from loraplex.kernels import cpu_elementwise, cpu_gemm
 from loraplex.kernels.metadata import AttentionMetadata
 from loraplex.server.engine.models.config import ModelConfig
 from loraplex.server.engine.models.rope import RotaryEmbedding
+
+logger = logging.getLogger(__name__)
 
 
 class LoraHook(Protocol):
@@ -72,12 +75,29 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-# Calls of up to this many rows run on the AMX tile GEMM where a bf16 model keeps a copy for it
-# (``LlamaModel.decode_tiles``): against oneDNN's prepacked bf16 GEMM at SmolLM2's projections on
-# one Sapphire Rapids-class core 1.24-1.40x at 1-32 rows, 1.16-1.19x at 33-64, 1.04x at 65 and
-# 1.0x at 100; the lm_head (49152 x 576) 1.10-1.24x at 1-32 rows, 0.88x at 64.
+# Calls of up to this many rows run on the decode copy where a bf16 model keeps one
+# (``LlamaModel.decode_tiles``), by its kind. Against oneDNN's prepacked bf16 GEMM at SmolLM2's
+# projections, one core: the AMX tile GEMM (Sapphire Rapids-class) 1.24-1.40x at 1-32 rows,
+# 1.16-1.19x at 33-64, 1.04x at 65 and 1.0x at 100, the lm_head (49152 x 576) 1.10-1.24x at 1-32
+# rows, 0.88x at 64; the pair GEMM (Zen 5) 1.09-1.67x at 32-64 rows, 0.97-1.16x at 96-256,
+# 0.81-0.95x at 1536, the lm_head 1.24-1.45x at 1-32 rows, 1.12x at 48, 1.02x at 64.
 DECODE_TILE_ROWS = 64
-LM_HEAD_TILE_ROWS = 32
+LM_HEAD_TILE_ROWS = {"bf16_amx": 32, "bf16": 48}
+# The decode copy is kept only while it takes at most this share of the host's available
+# memory at load (a large model keeps one copy rather than crowd out the KV pool and adapters).
+DECODE_COPY_SHARE = 0.25
+
+
+def host_memory_available() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def onednn_linear_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -97,9 +117,9 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
     On CPU, oneDNN's GEMM on a prepacked weight runs 1.3-1.8x faster than ``F.linear`` (MKL) on
     the few-row inputs of decode steps, in fp32 and bf16 alike, and no slower on prefill chunks.
     A bf16 weight is packed for batches of 64 rows (oneDNN's batch-size hint): on AMX tiles
-    (the CPUs whose bf16 projections run here) 1.03-1.06x at 1-64 rows and the same at 256-1536
-    as packed with no hint (SmolLM2's projections, one Sapphire Rapids-class core; 1.02-1.04x at
-    two threads).
+    1.03-1.06x at 1-64 rows and the same at 256-1536 as packed with no hint (SmolLM2's
+    projections, one Sapphire Rapids-class core; 1.02-1.04x at two threads); the same at
+    256-1536 rows on a Zen 5 core (0.98-1.03x).
     """
     hint = 64 if weight.dtype == torch.bfloat16 else None
     return torch.ops.mkldnn._reorder_linear_weight(weight, hint)
@@ -169,17 +189,32 @@ class LlamaModel:
         self.rope = RotaryEmbedding(config, self.dtype, self.device)
         self.scale = config.head_dim ** -0.5
         self.act = ACTIVATIONS[config.hidden_act]
-        # float32 where cpu_gemm has a kernel (AMX tiles; FMA vectors on AVX2), bf16 where it
-        # has its pair dot product one (AVX512-BF16 without AMX): every projection on it, its
-        # weights rearranged once and the dense copies dropped (kept as "meta" tensors: their
-        # shapes, no memory); a tied lm_head stays the embedding
+        # float32 where cpu_gemm has a kernel (AMX tiles; FMA vectors on AVX2), bf16 on its
+        # pair dot product one (AVX512-BF16 without AMX) where only one copy is kept: every
+        # projection on it, its weights rearranged once and the dense copies dropped (kept as
+        # "meta" tensors: their shapes, no memory); a tied lm_head stays the embedding
         self.tiles: list[LayerTiles] | None = None
         self.lm_head_tiles: cpu_gemm.PackedWeight | None = None
-        # bf16 on oneDNN on a CPU with AMX: decode-sized calls on the AMX tile GEMM, from a
-        # second copy of the projections in its panel order (oneDNN's keep prefill chunks)
+        # bf16 on oneDNN: decode-sized calls on the AMX tile GEMM or the pair GEMM, from a
+        # second copy of the projections in its panel order (oneDNN's keep prefill chunks,
+        # where they are the faster: cpu_gemm.bf16_decode_kind)
         self.decode_tiles: list[LayerTiles] | None = None
         self.lm_head_decode_tiles: cpu_gemm.PackedWeight | None = None
-        native_gemm = self.device.type == "cpu" and (
+        cpu = self.device.type == "cpu"
+        onednn = onednn_linear_supported(self.dtype, self.device)
+        decode_kind = (cpu_gemm.bf16_decode_kind()
+                       if cpu and onednn and self.dtype == torch.bfloat16 else None)
+        if decode_kind is not None:
+            copy_bytes = 2 * (lm_head.numel() + sum(
+                t.numel() for w in layers for t in (w.qkv, w.o, w.gate_up, w.down)))
+            available = host_memory_available()
+            if available is not None and copy_bytes > DECODE_COPY_SHARE * available:
+                logger.warning(
+                    "bf16 model: no second copy of the projections for decode steps (%.1f GiB, "
+                    "more than %.0f%% of the %.1f GiB of memory available): one copy",
+                    copy_bytes / 2**30, 100 * DECODE_COPY_SHARE, available / 2**30)
+                decode_kind = None
+        native_gemm = cpu and decode_kind is None and (
             (self.dtype == torch.float32 and cpu_gemm.enabled())
             or (self.dtype == torch.bfloat16 and cpu_gemm.bf16_enabled()))
         if native_gemm:
@@ -192,14 +227,13 @@ class LlamaModel:
             self.lm_head_tiles = cpu_gemm.pack(lm_head)
             if lm_head is not embed:
                 self.lm_head = lm_head.to("meta")
-        elif onednn_linear_supported(self.dtype, self.device):
-            if (self.dtype == torch.bfloat16 and self.device.type == "cpu"
-                    and cpu_gemm.bf16_decode_tiles_enabled()):
+        elif onednn:
+            if decode_kind is not None:
                 self.decode_tiles = [
-                    LayerTiles(*(cpu_gemm.pack(t, "bf16_amx")
+                    LayerTiles(*(cpu_gemm.pack(t, decode_kind)
                                  for t in (w.qkv, w.o, w.gate_up, w.down)))
                     for w in layers]
-                self.lm_head_decode_tiles = cpu_gemm.pack(lm_head, "bf16_amx")
+                self.lm_head_decode_tiles = cpu_gemm.pack(lm_head, decode_kind)
             # Packed in place, so the dense copies are freed (a tied lm_head gets its own).
             for w in layers:
                 w.qkv, w.o = pack_linear(w.qkv), pack_linear(w.o)
@@ -268,8 +302,9 @@ class LlamaModel:
         """``[N, hidden]`` -> float32 logits ``[N, vocab]`` (final norm included)."""
         h = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
         tiles = self.lm_head_tiles
-        if tiles is None and h.shape[0] <= LM_HEAD_TILE_ROWS:
-            tiles = self.lm_head_decode_tiles
+        decode = self.lm_head_decode_tiles
+        if tiles is None and decode is not None and h.shape[0] <= LM_HEAD_TILE_ROWS[decode.kind]:
+            tiles = decode
         return linear(h, self.lm_head, tiles=tiles).float()
 
 
