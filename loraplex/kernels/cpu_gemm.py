@@ -131,9 +131,9 @@ def bf16_tiles_available() -> bool:
 def bf16_decode_kind() -> str | None:
     """The kind of the second copy a bf16 model on oneDNN's GEMMs keeps of its projections for
     decode-sized calls, or None (one copy): ``"bf16_amx"`` where ``bf16_tiles_available()``,
-    else ``"bf16"`` where ``bf16_enabled()`` (AVX512-BF16 without AMX: oneDNN's GEMM is
-    0.81-0.95x faster on prefill chunks on a Zen 5 core, the pair GEMM 1.1-1.7x on decode
-    steps); None with ``LORAPLEX_BF16_DECODE_TILES=0`` (then the one copy is oneDNN's on AMX
+    else ``"bf16"`` where ``bf16_enabled()`` (AVX512-BF16 without AMX: on a Zen 5 core the pair
+    GEMM runs prefill chunks at 0.81-0.95x of oneDNN's speed, decode steps at 1.1-1.7x); None
+    with ``LORAPLEX_BF16_DECODE_TILES=0`` (then the one copy is oneDNN's on AMX
     CPUs, the pair GEMM's elsewhere)."""
     if not env.bf16_decode_tiles():
         return None
