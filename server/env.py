@@ -54,6 +54,19 @@ def fma_gemm() -> str:
     return "auto"
 
 
+def lora_stream() -> str:
+    """``LORAPLEX_LORA_STREAM``: ``auto`` (the default) runs a decode step's short bf16 LoRA
+    segments in memory order behind one prefetch stream (``loraplex/kernels/csrc/lora.c``) on
+    CPUs where that was measured faster (AMD's family 0x1A, Zen 5); ``1`` on any CPU with
+    AVX512-BF16; ``0`` never."""
+    value = _switch("LORA_STREAM", "auto")
+    if value in _OFF:
+        return "off"
+    if value in _ON:
+        return "on"
+    return "auto"
+
+
 def bf16_gemm() -> bool:
     """``LORAPLEX_BF16_GEMM``: ``0`` keeps bf16 projections on oneDNN's GEMM instead of the pair
     dot product GEMM (``loraplex/kernels/cpu_gemm``; CPUs with AVX512-BF16 and no AMX)."""

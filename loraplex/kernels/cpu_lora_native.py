@@ -32,8 +32,8 @@ if TYPE_CHECKING:
     from loraplex.kernels.cpu import GroupBlocks, GroupLayers, SegmentBlocks
 
 __all__ = ["LayerCall", "RegionModule", "has_long_bf16", "has_long_bf16_tiles", "long_bf16_call",
-           "lora_long_bf16_segments", "lora_short_segments", "region_tables", "short_call",
-           "tiles_available"]
+           "lora_long_bf16_segments", "lora_short_segments", "region_tables", "set_stream",
+           "short_call", "stream_segments", "tiles_available"]
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # csrc/lora.c's DT_F32, DT_BF16
 _MODULE_FIELDS = 9  # csrc/lora.c's module_t
@@ -81,6 +81,42 @@ def module_table(group: GroupBlocks) -> NativeTable:
     return group.native
 
 
+_STREAM_MODES = {"auto": -1, "off": 0, "on": 1}  # loraplex_lora_set_stream's modes
+
+
+def _short_library() -> ctypes.CDLL | None:
+    """The library, its memory-order switch set from ``LORAPLEX_LORA_STREAM`` once."""
+    lib = native.library("lora")
+    if lib is not None and not lib.__dict__.get("_loraplex_stream_set"):
+        set_stream(_STREAM_MODES[env.lora_stream()], lib)
+    return lib
+
+
+def set_stream(mode: int, lib: ctypes.CDLL | None = None) -> int:
+    """Where short bf16 segments of up to 3 rows run in memory order behind one prefetch
+    stream (``csrc/lora.c``): ``-1`` on the CPUs where that was measured faster (AMD's family
+    0x1A), ``0`` nowhere, ``1`` wherever the build has AVX512-BF16 (the same results either
+    way, bit for bit). Returns the mode it replaces (-1 where the library does not load)."""
+    lib = lib or native.library("lora")
+    if lib is None:
+        return -1
+    fn = lib.loraplex_lora_set_stream
+    if fn.argtypes is None:
+        fn.restype, fn.argtypes = ctypes.c_int64, [ctypes.c_int64]
+    lib.__dict__["_loraplex_stream_set"] = True
+    return int(fn(mode))
+
+
+def stream_segments() -> int:
+    """How many segments this process has run in memory order (``set_stream``), for tests."""
+    lib = native.library("lora")
+    if lib is None:
+        return 0
+    fn = lib.loraplex_lora_stream_segments
+    fn.restype, fn.argtypes = ctypes.c_int64, []
+    return int(fn())
+
+
 def lora_short_segments(x: torch.Tensor, y: torch.Tensor, segments: Sequence[SegmentBlocks],
                         short: int) -> Sequence[SegmentBlocks]:
     """Run the segments of at most ``short`` rows in one C call; return the others.
@@ -107,7 +143,7 @@ def lora_short_segments(x: torch.Tensor, y: torch.Tensor, segments: Sequence[Seg
     if (code is None or y.dtype != x.dtype or x.device.type != "cpu" or y.device.type != "cpu"
             or x.stride(1) != 1 or y.stride(1) != 1):
         return segments
-    lib = native.library("lora")
+    lib = _short_library()
     if lib is None:
         return segments
     fields: list[int] = []
@@ -329,7 +365,7 @@ def short_call(dtype: torch.dtype, segments: Sequence[tuple[int, int, float, Gro
     float32 / bfloat16) and the segments it leaves. ``short``: as ``lora_short_segments``'.
     """
     code = _DTYPES.get(dtype)
-    lib = native.library("lora")
+    lib = _short_library()
     if code is None or lib is None or not segments:
         return [], list(segments)
     calls = []

@@ -259,3 +259,72 @@ def refused_before_any_write(case: Case, bad: str, run) -> None:
 def test_out_of_bounds_refused_before_any_write(bad: str) -> None:
     refused_before_any_write(Case("distinct", torch.float32, 2), bad,
                              lambda x, y, segs: cpu_lora_native.lora_short_segments(x, y, segs, 16))
+
+
+needs_pairs = pytest.mark.skipif(not cpu_lora_native.has_long_bf16(),
+                                 reason="the library has no AVX512-BF16 pair dot products")
+# decode-like batches: segments of 1-3 rows (read in memory order when on) beside 4 and 16 rows
+STREAM_ROWS = (1, 2, 3, 1, 1, 4, 2, 1, 3, 16, 1, 2, 1, 3)
+
+
+@pytest.fixture
+def stream_mode():
+    """``cpu_lora_native.set_stream`` for one test, the process's mode restored after."""
+    before: list[int] = []
+
+    def set_mode(mode: int) -> None:
+        old = cpu_lora_native.set_stream(mode)
+        if not before:
+            before.append(old)
+
+    yield set_mode
+    if before:
+        cpu_lora_native.set_stream(before[0])
+
+
+@needs_pairs
+@pytest.mark.parametrize("d_in", [D_IN, 64])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_memory_order_changes_no_bit(pattern: str, threads: int, d_in: int,
+                                     stream_mode) -> None:
+    # Short bf16 segments of 1-3 rows read module by module in memory order behind one
+    # prefetch stream: every sum in the work items' order, so the same bits, and no read
+    # outside a block (the pool is NaN there); segments of 4 and 16 rows still run as items.
+    stream_mode(0)
+    off = Case(pattern, torch.bfloat16, 3, rows=STREAM_ROWS, d_in=d_in)
+    y_off = off.run(threads)
+    stream_mode(1)
+    on = Case(pattern, torch.bfloat16, 3, rows=STREAM_ROWS, d_in=d_in)
+    before = cpu_lora_native.stream_segments()
+    y_on = on.run(threads)
+    streamed = sum(1 for s in on.segments if s.hi - s.lo <= 3)
+    assert streamed >= 5 and cpu_lora_native.stream_segments() - before == streamed
+    assert not y_on.isnan().any()
+    assert torch.equal(y_on, y_off)
+    assert not torch.equal(y_on, on.y0)
+
+
+@needs_pairs
+def test_memory_order_only_for_bf16(stream_mode) -> None:
+    # float32 segments never take it (their kernels widen nothing and stream their own way)
+    stream_mode(1)
+    case = Case("distinct", torch.float32, 2, rows=STREAM_ROWS)
+    before = cpu_lora_native.stream_segments()
+    y = case.run()
+    assert cpu_lora_native.stream_segments() == before
+    exact = case.exact()
+    torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+
+
+@needs_pairs
+@pytest.mark.parametrize("value, mode", [("0", 0), ("on", 1), ("auto", -1), ("", -1)])
+def test_memory_order_switch_read_once(value: str, mode: int, monkeypatch, stream_mode) -> None:
+    # LORAPLEX_LORA_STREAM sets the library's mode when it is first used for short segments
+    stream_mode(-1)
+    lib = native.library("lora")
+    monkeypatch.setenv("LORAPLEX_LORA_STREAM", value)
+    monkeypatch.delitem(lib.__dict__, "_loraplex_stream_set")
+    case = Case("uniform", torch.bfloat16, 1, rows=(1, 2))
+    case.run()
+    assert cpu_lora_native.set_stream(-1) == mode

@@ -752,6 +752,196 @@ static void long_rows(const segment_t *sg, int64_t lo, int64_t hi, const float *
     }
 }
 
+/* ---- Short bf16 segments in memory order, behind one prefetch stream (decode rows) ----------
+ *
+ * A bf16 segment of up to STREAM_ROWS rows (bf16 x, y and blocks, where the build has pair dot
+ * products) can run module by module in the order its blocks lie in memory instead of as the
+ * work items above: h = x . A_k rank row after rank row (pair dot products, one sum per row and
+ * rank in the shrink's order), then y's delta B^T rank row after rank row into a float32 buffer
+ * (each column's sum over the ranks in the expand's order), y rounded once as store_vec does:
+ * the same bits as the work items. While it reads, one stream of software prefetches runs
+ * STREAM_AHEAD lines ahead of the reads over the same blocks in the same order (the thread's
+ * segments' A and B^T, adjacent blocks merged), across module and segment boundaries: one line
+ * issued for each line read.
+ *
+ * Why: a decode step's LoRA reads every resident adapter's blocks once, so it is bound by how
+ * many lines one core keeps in flight. The work items read a module's A four rank rows at a
+ * time and its B^T column tile by column tile across all rank rows (short strided runs the
+ * hardware's stream prefetchers barely follow), and prefetch the next item's block into L1
+ * spread over the current one: about 15 GB/s on a Zen 5 core where a plain read of the same
+ * adapters' regions gets 20-26. In memory order behind a stream 8 KB ahead (128 lines; 32 and
+ * 64 were slower, 192 no faster), 64 one-row segments of SmolLM2's q/k/v (ranks 8 and 16, the
+ * CPU engine's host regions) ran 1.24-1.46x faster and o 1.14-1.28x, segments of 2 and 3 rows
+ * 1.1-1.25x, of 4 rows 0.95-1.01x (hence STREAM_ROWS); in the engine a decode step's LoRA calls
+ * 1.12-1.15x (docs/benchmarks.md, "Zen 5, twelfth visit"). Measured on AMD's family 0x1A only:
+ * on by default there (loraplex_lora_set_stream: -1 that default, 0 off, 1 on everywhere). */
+enum { STREAM_ROWS = 3 };     /* a bf16 segment of up to this many rows */
+enum { STREAM_AHEAD = 128 };  /* lines the prefetch stream runs ahead of the reads */
+#ifdef HAVE_DPBF16
+
+static int stream_mode = -1;  /* -1: on AMD's family 0x1A, 0: never, 1: always */
+
+static inline int stream_on(void) {
+    const int mode = __atomic_load_n(&stream_mode, __ATOMIC_RELAXED);
+    return mode < 0 ? amd_family() >= 0x1A : mode;
+}
+
+typedef struct {
+    const char *p;
+    int64_t n;  /* bytes */
+} range_t;
+
+typedef struct {
+    const range_t *next, *end;  /* the ranges not yet begun */
+    const char *p, *e;          /* the current range's next line, its end */
+} stream_t;
+
+/* one more line of the stream (none once it has run out) */
+static inline void stream_step(stream_t *st) {
+    if (st->p >= st->e) {
+        if (st->next == st->end) return;
+        st->p = (const char *)((uintptr_t)st->next->p & ~(uintptr_t)63);
+        st->e = st->next->p + st->next->n;
+        st->next++;
+    }
+    __builtin_prefetch(st->p, 0, 3);
+    st->p += 64;
+}
+
+static inline int seg_stream(const segment_t *sg, int64_t io_dtype, int on) {
+    if (!on || io_dtype != DT_BF16 || sg->hi - sg->lo > STREAM_ROWS || sg->hi <= sg->lo)
+        return 0;
+    for (int64_t j = 0; j < sg->num_modules; j++)
+        if (modules_of(sg)[j].dtype != DT_BF16) return 0;
+    return 1;
+}
+
+/* the segment's blocks in reading order, appended to r (merged into the last range where they
+ * follow it); returns the new count */
+static int64_t stream_ranges(const segment_t *sg, range_t *r, int64_t n) {
+    for (int64_t j = 0; j < sg->num_modules; j++) {
+        const module_t *m = &modules_of(sg)[j];
+        const range_t blocks[2] = {
+            {(const char *)(intptr_t)m->a, ((m->rank - 1) * m->a_stride + m->d_in) * 2},
+            {(const char *)(intptr_t)m->b, ((m->rank - 1) * m->b_stride + m->end - m->start) * 2}};
+        for (int b = 0; b < 2; b++) {
+            if (blocks[b].n <= 0) continue;  /* rank 0: nothing read */
+            if (n > 0 && r[n - 1].p + r[n - 1].n == blocks[b].p)
+                r[n - 1].n += blocks[b].n;
+            else
+                r[n++] = blocks[b];
+        }
+    }
+    return n;
+}
+
+/* h[i * rank + k] = x_i . A_k for the ROWS rows (a constant where inlined) */
+static inline __attribute__((always_inline)) void stream_shrink(
+    const uint16_t *restrict x, int64_t xs, const int rows, int64_t d_in, const module_t *m,
+    float *restrict h, stream_t *st) {
+    const uint16_t *A = (const uint16_t *)(intptr_t)m->a;
+    const int64_t dv = d_in - d_in % 32, rank = m->rank;
+    const __mmask32 tail = (__mmask32)((1ull << (d_in - dv)) - 1);
+    for (int64_t k = 0; k < rank; k++) {
+        const uint16_t *a = A + k * m->a_stride;
+        __m512 acc[STREAM_ROWS];
+        for (int i = 0; i < rows; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < dv; d += 32) {
+            stream_step(st);
+            const __m512i b = _mm512_loadu_si512(a + d);
+            for (int i = 0; i < rows; i++) acc[i] = dp(acc[i], _mm512_loadu_si512(x + i * xs + d), b);
+        }
+        if (dv < d_in) {
+            const __m512i b = _mm512_maskz_loadu_epi16(tail, a + dv);
+            for (int i = 0; i < rows; i++)
+                acc[i] = dp(acc[i], _mm512_maskz_loadu_epi16(tail, x + i * xs + dv), b);
+        }
+        for (int i = 0; i < rows; i++) h[i * rank + k] = _mm512_reduce_add_ps(acc[i]);
+    }
+}
+
+/* y[i, start:end] += scale * h_i @ BT for the ROWS rows, the sums in acc (rows x the width) */
+static inline __attribute__((always_inline)) void stream_expand(
+    const float *restrict h, const int rows, const module_t *m, float scale, uint16_t *y,
+    int64_t ys, float *restrict acc, stream_t *st) {
+    const uint16_t *B = (const uint16_t *)(intptr_t)m->b;
+    const int64_t n = m->end - m->start, n2 = n - n % (2 * VW), rank = m->rank;
+    for (int64_t c = 0; c < rows * n; c++) acc[c] = 0.0f;
+    for (int64_t k = 0; k < rank; k++) {
+        const uint16_t *b = B + k * m->b_stride;
+        float p[STREAM_ROWS];
+        for (int i = 0; i < rows; i++) p[i] = h[i * rank + k];
+        int64_t c = 0;
+        for (; c < n2; c += 2 * VW) {  /* a line of B^T's row at a time */
+            stream_step(st);
+            const vf b0 = ld_bf16(b + c), b1 = ld_bf16(b + c + VW);
+            for (int i = 0; i < rows; i++) {
+                float *o = acc + i * n + c;
+                *(vf *)o = ld_f32(o) + p[i] * b0;
+                *(vf *)(o + VW) = ld_f32(o + VW) + p[i] * b1;
+            }
+        }
+        for (; c + VW <= n; c += VW) {
+            const vf b0 = ld_bf16(b + c);
+            for (int i = 0; i < rows; i++) *(vf *)(acc + i * n + c) = ld_f32(acc + i * n + c) + p[i] * b0;
+        }
+        for (; c < n; c++)
+            for (int i = 0; i < rows; i++) acc[i * n + c] += p[i] * bf2f(b[c]);
+    }
+    for (int i = 0; i < rows; i++) {
+        char *yr = (char *)(y + i * ys);
+        const float *o = acc + i * n;
+        int64_t c = 0;
+        for (; c + VW <= n; c += VW) store_vec(yr, DT_BF16, m->start + c, ld_f32(o + c), scale);
+        for (; c < n; c++) store_one(yr, DT_BF16, m->start + c, o[c], scale);
+    }
+}
+
+static inline __attribute__((always_inline)) void stream_rows(
+    const uint16_t *x, int64_t xs, const int rows, int64_t d_in, const segment_t *sg,
+    float scale, uint16_t *y, int64_t ys, float *h, float *acc, stream_t *st) {
+    for (int64_t j = 0; j < sg->num_modules; j++) {
+        const module_t *m = &modules_of(sg)[j];
+        stream_shrink(x, xs, rows, d_in, m, h, st);
+        stream_expand(h, rows, m, scale, y, ys, acc, st);
+    }
+}
+
+/* one segment (its rows of x and y) in memory order; h: STREAM_ROWS x the widest rank, acc:
+ * STREAM_ROWS x the widest module */
+static void stream_segment(const uint16_t *x, int64_t xs, int64_t d_in, const segment_t *sg,
+                           float scale, uint16_t *y, int64_t ys, float *h, float *acc,
+                           stream_t *st) {
+    x += sg->lo * xs;
+    y += sg->lo * ys;
+    switch (sg->hi - sg->lo) {  /* 1 to STREAM_ROWS (seg_stream) */
+    case 1: stream_rows(x, xs, 1, d_in, sg, scale, y, ys, h, acc, st); break;
+    case 2: stream_rows(x, xs, 2, d_in, sg, scale, y, ys, h, acc, st); break;
+    default: stream_rows(x, xs, 3, d_in, sg, scale, y, ys, h, acc, st); break;
+    }
+}
+
+int64_t loraplex_lora_set_stream(int64_t mode) {
+    const int old = __atomic_exchange_n(&stream_mode, mode < 0 ? -1 : mode > 0, __ATOMIC_RELAXED);
+    return old;
+}
+#else
+static inline int seg_stream(const segment_t *sg, int64_t io_dtype, int on) {
+    (void)sg, (void)io_dtype, (void)on;
+    return 0;
+}
+
+int64_t loraplex_lora_set_stream(int64_t mode) {
+    (void)mode;
+    return -1;
+}
+#endif
+
+/* segments run in memory order since the library loaded (the tests' witness) */
+static int64_t stream_count = 0;
+
+int64_t loraplex_lora_stream_segments(void) { return __atomic_load_n(&stream_count, __ATOMIC_RELAXED); }
+
 int64_t loraplex_lora_abi(void) { return 1; }
 
 /* The checks both entry points make before any write: 0, or 1 a segment's rows outside x, 2 a
@@ -791,8 +981,24 @@ int64_t loraplex_lora_short(const void *x, int64_t x_stride, void *y, int64_t y_
      * and the widest padded rank among them */
     int64_t h_total = 0, num_shrinks = 0, num_items = 0, f32_blocks = 0;
     int64_t num_long = 0, rp_max = 0;
+    /* the segments read in memory order: how many, their blocks, their widest rank and module */
+    int stream = 0;
+#ifdef HAVE_DPBF16
+    stream = stream_on();
+#endif
+    int64_t num_stream = 0, stream_blocks = 0, stream_rank = 0, stream_width = 0;
     for (int64_t s = 0; s < num_segments; s++) {
         const segment_t *sg = &segs[s];
+        if (seg_stream(sg, io_dtype, stream)) {
+            num_stream++;
+            stream_blocks += 2 * sg->num_modules;
+            for (int64_t j = 0; j < sg->num_modules; j++) {
+                const module_t *m = &modules_of(sg)[j];
+                stream_rank = m->rank > stream_rank ? m->rank : stream_rank;
+                stream_width = m->end - m->start > stream_width ? m->end - m->start : stream_width;
+            }
+            continue;
+        }
         if (seg_long(sg, io_dtype)) {
             const int64_t tiles = (sg->hi - sg->lo + LT - 1) / LT, rp = seg_rp(sg);
             num_long += tiles < nt ? tiles : nt;
@@ -839,19 +1045,33 @@ int64_t loraplex_lora_short(const void *x, int64_t x_stride, void *y, int64_t y_
     const int64_t per_thread = (d_in * rp_max + 2 * LT * rp_max + 15) / 16 * 16;
     piece_t *pieces = num_long ? malloc((size_t)num_long * sizeof(piece_t)) : NULL;
     float *scratch = num_long ? malloc((size_t)(nt * per_thread + 16) * sizeof(float)) : NULL;
+    /* each thread's ranges of blocks and its h and sums (STREAM_ROWS rows of each), 64-byte
+     * aligned */
+    const int64_t stream_h = 16 * ((STREAM_ROWS * stream_rank + 15) / 16);
+    const int64_t stream_floats = stream_h + 16 * ((STREAM_ROWS * stream_width + 15) / 16);
+    void *stream_ranges_buf = NULL;
+    float *stream_scratch = NULL;
+    if (num_stream) {
+        stream_ranges_buf = malloc((size_t)(nt * stream_blocks) * 2 * sizeof(int64_t));  /* range_t */
+        stream_scratch = malloc((size_t)(nt * stream_floats + 16) * sizeof(float));
+    }
     if (h == NULL || work == NULL || (widened && xw == NULL) ||
-        (num_long && (pieces == NULL || scratch == NULL))) {
+        (num_long && (pieces == NULL || scratch == NULL)) ||
+        (num_stream && (stream_ranges_buf == NULL || stream_scratch == NULL))) {
         free(h);
         free(work);
         free(xw);
         free(pieces);
         free(scratch);
+        free(stream_ranges_buf);
+        free(stream_scratch);
         return 5;
     }
     int64_t ns = 0, ni = num_shrinks, h_at = 0, np = 0;
     for (int64_t s = 0; s < num_segments; s++) {
         const segment_t *sg = &segs[s];
         const module_t *mods = modules_of(sg);
+        if (seg_stream(sg, io_dtype, stream)) continue;
         if (seg_long(sg, io_dtype)) {
             const int64_t tiles = (sg->hi - sg->lo + LT - 1) / LT;
             const int64_t parts = tiles < nt ? tiles : nt, per = (tiles + parts - 1) / parts;
@@ -881,6 +1101,30 @@ int64_t loraplex_lora_short(const void *x, int64_t x_stride, void *y, int64_t y_
         scratch != NULL ? scratch + (16 - ((uintptr_t)scratch / 4) % 16) % 16 : NULL;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
+#ifdef HAVE_DPBF16
+        /* the segments read in memory order first, dealt round-robin (no barrier after) */
+        if (num_stream > 0) {
+            int me = 0;
+#ifdef _OPENMP
+            me = omp_get_thread_num();
+#endif
+            range_t *r = (range_t *)stream_ranges_buf + me * stream_blocks;
+            int64_t n = 0, k = 0;
+            for (int64_t s = 0; s < num_segments; s++)
+                if (seg_stream(&segs[s], io_dtype, stream) && k++ % nt == me)
+                    n = stream_ranges(&segs[s], r, n);
+            stream_t st = {r, r + n, NULL, NULL};
+            for (int i = 0; i < STREAM_AHEAD; i++) stream_step(&st);
+            float *hs = stream_scratch + (16 - ((uintptr_t)stream_scratch / 4) % 16) % 16 +
+                        me * stream_floats;
+            float *acc = hs + stream_h;
+            k = 0;
+            for (int64_t s = 0; s < num_segments; s++)
+                if (seg_stream(&segs[s], io_dtype, stream) && k++ % nt == me)
+                    stream_segment((const uint16_t *)x, x_stride, d_in, &segs[s], scales[s],
+                                   (uint16_t *)y, y_stride, hs, acc, &st);
+        }
+#endif
         /* the long segments' pieces first (nowait: a thread done with them goes on to the
          * short items), each packing its segment's A unless the thread's last piece was of
          * the same segment */
@@ -967,6 +1211,9 @@ int64_t loraplex_lora_short(const void *x, int64_t x_stride, void *y, int64_t y_
     free(xw);
     free(pieces);
     free(scratch);
+    free(stream_ranges_buf);
+    free(stream_scratch);
+    if (num_stream) __atomic_fetch_add(&stream_count, num_stream, __ATOMIC_RELAXED);
     return 0;
 }
 
