@@ -55,10 +55,10 @@ def fma_gemm() -> str:
 
 
 def lora_stream() -> str:
-    """``LORAPLEX_LORA_STREAM``: ``auto`` (the default) runs a decode step's short bf16 LoRA
-    segments in memory order behind one prefetch stream (``loraplex/kernels/csrc/lora.c``) on
-    CPUs where that was measured faster (AMD's family 0x1A, Zen 5); ``1`` on any CPU with
-    AVX512-BF16; ``0`` never."""
+    """``LORAPLEX_LORA_STREAM``: ``auto`` (the default) runs a decode step's short LoRA
+    segments (1-3 rows, float32 or bf16) in memory order behind one prefetch stream
+    (``loraplex/kernels/csrc/lora.c``) on CPUs where that was measured faster (AMD's family
+    0x1A, Zen 5); ``1`` on any CPU (bf16 where the build has AVX512-BF16); ``0`` never."""
     value = _switch("LORA_STREAM", "auto")
     if value in _OFF:
         return "off"

@@ -93,10 +93,11 @@ def _short_library() -> ctypes.CDLL | None:
 
 
 def set_stream(mode: int, lib: ctypes.CDLL | None = None) -> int:
-    """Where short bf16 segments of up to 3 rows run in memory order behind one prefetch
-    stream (``csrc/lora.c``): ``-1`` on the CPUs where that was measured faster (AMD's family
-    0x1A), ``0`` nowhere, ``1`` wherever the build has AVX512-BF16 (the same results either
-    way, bit for bit). Returns the mode it replaces (-1 where the library does not load)."""
+    """Where short segments of 1-3 rows (float32, or bf16 where the build has AVX512-BF16)
+    run in memory order behind one prefetch stream (``csrc/lora.c``): ``-1`` on the CPUs where
+    that was measured faster (AMD's family 0x1A), ``0`` nowhere, ``1`` everywhere (the same
+    results either way, bit for bit). Returns the mode it replaces (-1 where the library does
+    not load)."""
     lib = lib or native.library("lora")
     if lib is None:
         return -1

@@ -28,6 +28,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
 #include "cpu_id.h"
 #include "vector_width.h"
 
@@ -39,6 +43,8 @@
 /* ISO C (-std=c11) turns FMA contraction off; a * b + c as one FMA is what every BLAS does,
  * and is only more exact. */
 #pragma GCC optimize("fp-contract=fast")
+/* a * b + c rounded once, where two loops must agree to the bit (see vfma) */
+#define FMA(a, b, c) __builtin_fmaf(a, b, c)
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 /* Expand work items' columns when a segment has more than two rows (B^T's tile is then read
@@ -182,7 +188,8 @@ static inline const module_t *modules_of(const segment_t *s) {
 }
 
 /* The block kernels, once per weight type W (float or uint16_t bf16 bits) through LD (vector
- * load) and LD1 (scalar load). */
+ * load) and LD1 (scalar load). A scalar sum's step is an explicit FMA (see vfma). */
+
 #define LD1_f32(p) (*(p))
 #define LD1_bf16(p) bf2f(*(p))
 
@@ -225,8 +232,11 @@ static inline const module_t *modules_of(const segment_t *s) {
                     const float u = x0[d], v = x1[d];                                      \
                     const float b0 = LD1(a0 + d), b1 = LD1(a1 + d);                        \
                     const float b2 = LD1(a2 + d), b3 = LD1(a3 + d);                        \
-                    r[0] += u * b0, r[1] += u * b1, r[2] += u * b2, r[3] += u * b3;        \
-                    r[4] += v * b0, r[5] += v * b1, r[6] += v * b2, r[7] += v * b3;        \
+                    /* one rounding each, as the vectors' FMAs and stream_shrink_f32's */  \
+                    r[0] = FMA(u, b0, r[0]), r[1] = FMA(u, b1, r[1]);                      \
+                    r[2] = FMA(u, b2, r[2]), r[3] = FMA(u, b3, r[3]);                      \
+                    r[4] = FMA(v, b0, r[4]), r[5] = FMA(v, b1, r[5]);                      \
+                    r[6] = FMA(v, b2, r[6]), r[7] = FMA(v, b3, r[7]);                      \
                 }                                                                          \
                 for (int64_t j = 0; j < nk; j++) {                                         \
                     h[i * hs + k + j] = r[j];                                              \
@@ -291,23 +301,40 @@ static void shrink_pairs(const uint16_t *restrict x, int64_t xs, int64_t rows, i
 }
 #endif
 
-/* y[i, c] += scale * out[c] for c < n, with y's rounding */
+/* a * b + c in each lane, rounded once: explicit, because whether the compiler contracts
+ * `c + a * b` differs between the loops it is inlined into, and the memory-order path must
+ * give the same bits as the work items */
+static inline vf vfma(vf a, vf b, vf c) {
+#if defined(__AVX512F__) && VW == 16
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__) && VW == 8
+    return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    vf r;
+    for (int j = 0; j < VW; j++) r[j] = __builtin_fmaf(a[j], b[j], c[j]);
+    return r;
+#endif
+}
+
+/* y[i, c] += scale * out[c] for c < n, with y's rounding (the float32 sum one FMA) */
 static inline void store_vec(char *y, int64_t y_dtype, int64_t at, vf out, float scale) {
+    const vf s = (vf){0} + scale;
     if (y_dtype == DT_F32) {
         float *p = (float *)y + at;
-        *(vf *)p = ld_f32(p) + scale * out;
+        *(vf *)p = vfma(s, out, ld_f32(p));
     } else {
         uint16_t *p = (uint16_t *)y + at;
-        *(vh *)p = to_bf16(ld_bf16(p) + scale * out);
+        *(vh *)p = to_bf16(vfma(s, out, ld_bf16(p)));
     }
 }
 
 static inline void store_one(char *y, int64_t y_dtype, int64_t at, float out, float scale) {
     if (y_dtype == DT_F32) {
-        ((float *)y)[at] += scale * out;
+        float *p = (float *)y + at;
+        *p = FMA(scale, out, *p);
     } else {
         uint16_t *p = (uint16_t *)y + at;
-        *p = f2bf(bf2f(*p) + scale * out);
+        *p = f2bf(FMA(scale, out, bf2f(*p)));
     }
 }
 
@@ -372,7 +399,7 @@ static inline void store_one(char *y, int64_t y_dtype, int64_t at, float out, fl
                 float s0 = 0, t0 = 0;                                                      \
                 for (int64_t k = 0; k < rank; k++) {                                       \
                     const float b0 = LD1(B + k * bs + (c - off));                          \
-                    s0 += h0[k] * b0, t0 += h1[k] * b0;                                    \
+                    s0 = FMA(h0[k], b0, s0), t0 = FMA(h1[k], b0, t0);                      \
                 }                                                                          \
                 store_one(y, y_dtype, i * ys + c, s0, scale);                              \
                 if (two) store_one(y, y_dtype, (i + 1) * ys + c, t0, scale);               \
@@ -752,17 +779,18 @@ static void long_rows(const segment_t *sg, int64_t lo, int64_t hi, const float *
     }
 }
 
-/* ---- Short bf16 segments in memory order, behind one prefetch stream (decode rows) ----------
+/* ---- Short segments in memory order, behind one prefetch stream (decode rows) --------------
  *
- * A bf16 segment of up to STREAM_ROWS rows (bf16 x, y and blocks, where the build has pair dot
- * products) can run module by module in the order its blocks lie in memory instead of as the
- * work items above: h = x . A_k rank row after rank row (pair dot products, one sum per row and
- * rank in the shrink's order), then y's delta B^T rank row after rank row into a float32 buffer
- * (each column's sum over the ranks in the expand's order), y rounded once as store_vec does:
- * the same bits as the work items. While it reads, one stream of software prefetches runs
- * STREAM_AHEAD lines ahead of the reads over the same blocks in the same order (the thread's
- * segments' A and B^T, adjacent blocks merged), across module and segment boundaries: one line
- * issued for each line read.
+ * A segment of up to STREAM_ROWS rows whose x, y and blocks are all float32, or all bf16 where
+ * the build has pair dot products, can run module by module in the order its blocks lie in
+ * memory instead of as the work items above: h = x . A_k rank row after rank row (one sum per
+ * row and rank, in the shrink's order: bf16 on pair dot products as shrink_pairs, float32 in
+ * vector lanes then hsum then the tail as shrink_f32), then y's delta B^T rank row after rank
+ * row into a float32 buffer (each column's sum over the ranks in the expand's order), y updated
+ * once as store_vec / store_one do: the same bits as the work items. While it reads, one stream
+ * of software prefetches runs STREAM_AHEAD lines ahead of the reads over the same blocks in the
+ * same order (the thread's segments' A and B^T, adjacent blocks merged), across module and
+ * segment boundaries: one line issued for each line read.
  *
  * Why: a decode step's LoRA reads every resident adapter's blocks once, so it is bound by how
  * many lines one core keeps in flight. The work items read a module's A four rank rows at a
@@ -770,20 +798,24 @@ static void long_rows(const segment_t *sg, int64_t lo, int64_t hi, const float *
  * hardware's stream prefetchers barely follow), and prefetch the next item's block into L1
  * spread over the current one: about 15 GB/s on a Zen 5 core where a plain read of the same
  * adapters' regions gets 20-26. In memory order behind a stream 8 KB ahead (128 lines; 32 and
- * 64 were slower, 192 no faster), 64 one-row segments of SmolLM2's q/k/v (ranks 8 and 16, the
- * CPU engine's host regions) ran 1.24-1.46x faster and o 1.14-1.28x, segments of 2 and 3 rows
- * 1.1-1.25x, of 4 rows 0.95-1.01x (hence STREAM_ROWS); in the engine a decode step's LoRA calls
- * 1.12-1.15x (docs/benchmarks.md, "Zen 5, twelfth visit"). Measured on AMD's family 0x1A only:
- * on by default there (loraplex_lora_set_stream: -1 that default, 0 off, 1 on everywhere). */
-enum { STREAM_ROWS = 3 };     /* a bf16 segment of up to this many rows */
+ * 64 were slower, 192 no faster), 64 one-row bf16 segments of SmolLM2's q/k/v (ranks 8 and 16,
+ * the CPU engine's host regions) ran 1.24-1.46x faster and o 1.14-1.28x, segments of 2 and 3
+ * rows 1.1-1.25x, of 4 rows 0.95-1.01x (hence STREAM_ROWS); in float32 1.35-1.61x; in the
+ * engine a decode step's bf16 LoRA calls 1.12-1.15x (docs/benchmarks.md, "Zen 5, twelfth
+ * visit"). Measured on AMD's family 0x1A only: on by default there (loraplex_lora_set_stream:
+ * -1 that default, 0 off, 1 on everywhere). */
+enum { STREAM_ROWS = 3 };     /* a segment of up to this many rows */
 enum { STREAM_AHEAD = 128 };  /* lines the prefetch stream runs ahead of the reads */
-#ifdef HAVE_DPBF16
 
 static int stream_mode = -1;  /* -1: on AMD's family 0x1A, 0: never, 1: always */
 
 static inline int stream_on(void) {
     const int mode = __atomic_load_n(&stream_mode, __ATOMIC_RELAXED);
     return mode < 0 ? amd_family() >= 0x1A : mode;
+}
+
+int64_t loraplex_lora_set_stream(int64_t mode) {
+    return __atomic_exchange_n(&stream_mode, mode < 0 ? -1 : mode > 0, __ATOMIC_RELAXED);
 }
 
 typedef struct {
@@ -808,11 +840,15 @@ static inline void stream_step(stream_t *st) {
     st->p += 64;
 }
 
+/* whether the segment runs in memory order: 1 to STREAM_ROWS rows, x, y and every block float32
+ * (or bf16, with pair dot products) */
 static inline int seg_stream(const segment_t *sg, int64_t io_dtype, int on) {
-    if (!on || io_dtype != DT_BF16 || sg->hi - sg->lo > STREAM_ROWS || sg->hi <= sg->lo)
-        return 0;
+    if (!on || sg->hi - sg->lo > STREAM_ROWS || sg->hi <= sg->lo) return 0;
+#ifndef HAVE_DPBF16
+    if (io_dtype != DT_F32) return 0;
+#endif
     for (int64_t j = 0; j < sg->num_modules; j++)
-        if (modules_of(sg)[j].dtype != DT_BF16) return 0;
+        if (modules_of(sg)[j].dtype != io_dtype) return 0;
     return 1;
 }
 
@@ -821,9 +857,10 @@ static inline int seg_stream(const segment_t *sg, int64_t io_dtype, int on) {
 static int64_t stream_ranges(const segment_t *sg, range_t *r, int64_t n) {
     for (int64_t j = 0; j < sg->num_modules; j++) {
         const module_t *m = &modules_of(sg)[j];
+        const int64_t el = m->dtype == DT_F32 ? 4 : 2;
         const range_t blocks[2] = {
-            {(const char *)(intptr_t)m->a, ((m->rank - 1) * m->a_stride + m->d_in) * 2},
-            {(const char *)(intptr_t)m->b, ((m->rank - 1) * m->b_stride + m->end - m->start) * 2}};
+            {(const char *)(intptr_t)m->a, ((m->rank - 1) * m->a_stride + m->d_in) * el},
+            {(const char *)(intptr_t)m->b, ((m->rank - 1) * m->b_stride + m->end - m->start) * el}};
         for (int b = 0; b < 2; b++) {
             if (blocks[b].n <= 0) continue;  /* rank 0: nothing read */
             if (n > 0 && r[n - 1].p + r[n - 1].n == blocks[b].p)
@@ -835,8 +872,71 @@ static int64_t stream_ranges(const segment_t *sg, range_t *r, int64_t n) {
     return n;
 }
 
-/* h[i * rank + k] = x_i . A_k for the ROWS rows (a constant where inlined) */
-static inline __attribute__((always_inline)) void stream_shrink(
+/* float32: h[i * rank + k] = x_i . A_k for the ROWS rows (a constant where inlined), each sum
+ * as shrink_f32's: VW lanes over the vector part, hsum, then the tail in order */
+static inline __attribute__((always_inline)) void stream_shrink_f32(
+    const float *restrict x, int64_t xs, const int rows, int64_t d_in, const module_t *m,
+    float *restrict h, stream_t *st) {
+    const float *A = (const float *)(intptr_t)m->a;
+    const int64_t dv = d_in - d_in % VW, rank = m->rank;
+    for (int64_t k = 0; k < rank; k++) {
+        const float *a = A + k * m->a_stride;
+        vf acc[STREAM_ROWS];
+        for (int i = 0; i < rows; i++) acc[i] = (vf){0};
+        for (int64_t d = 0; d < dv; d += VW) {
+            if (d % 16 == 0) stream_step(st);  /* a line: 16 floats */
+            const vf b = ld_f32(a + d);
+            for (int i = 0; i < rows; i++) acc[i] += ld_f32(x + i * xs + d) * b;
+        }
+        float r[STREAM_ROWS];
+        for (int i = 0; i < rows; i++) r[i] = hsum(acc[i]);
+        for (int64_t d = dv; d < d_in; d++)
+            for (int i = 0; i < rows; i++) r[i] = FMA(x[i * xs + d], a[d], r[i]);
+        for (int i = 0; i < rows; i++) h[i * rank + k] = r[i];
+    }
+}
+
+/* y[i, start:end] += scale * h_i @ BT for the ROWS rows, the sums in acc (rows x the width),
+ * B^T's elements W (float or uint16_t bf16 bits) read through LD / LD1, EL of them a line */
+#define DEFINE_STREAM_EXPAND(NAME, W, LD, LD1, EL)                                          \
+    static inline __attribute__((always_inline)) void NAME(                                \
+        const float *restrict h, const int rows, const module_t *m, float scale, char *y,   \
+        int64_t ys, int64_t y_dtype, float *restrict acc, stream_t *st) {                   \
+        const W *B = (const W *)(intptr_t)m->b;                                             \
+        const int64_t n = m->end - m->start, rank = m->rank;                                \
+        for (int64_t c = 0; c < rows * n; c++) acc[c] = 0.0f;                               \
+        for (int64_t k = 0; k < rank; k++) {                                                \
+            const W *b = B + k * m->b_stride;                                               \
+            float p[STREAM_ROWS];                                                           \
+            for (int i = 0; i < rows; i++) p[i] = h[i * rank + k];                          \
+            int64_t c = 0;                                                                  \
+            for (; c + VW <= n; c += VW) {                                                  \
+                if (c % (EL) == 0) stream_step(st);                                         \
+                const vf b0 = LD(b + c);                                                    \
+                for (int i = 0; i < rows; i++)                                              \
+                    *(vf *)(acc + i * n + c) = ld_f32(acc + i * n + c) + p[i] * b0;         \
+            }                                                                               \
+            for (; c < n; c++)                                                              \
+                for (int i = 0; i < rows; i++)                                              \
+                    acc[i * n + c] = FMA(p[i], LD1(b + c), acc[i * n + c]);                 \
+        }                                                                                   \
+        const int64_t el = y_dtype == DT_F32 ? 4 : 2;                                       \
+        for (int i = 0; i < rows; i++) {                                                    \
+            char *yr = y + i * ys * el;                                                     \
+            const float *o = acc + i * n;                                                   \
+            int64_t c = 0;                                                                  \
+            for (; c + VW <= n; c += VW) store_vec(yr, y_dtype, m->start + c, ld_f32(o + c), scale); \
+            for (; c < n; c++) store_one(yr, y_dtype, m->start + c, o[c], scale);           \
+        }                                                                                   \
+    }
+
+DEFINE_STREAM_EXPAND(stream_expand_f32, float, ld_f32, LD1_f32, 16)
+
+#ifdef HAVE_DPBF16
+DEFINE_STREAM_EXPAND(stream_expand_bf16, uint16_t, ld_bf16, LD1_bf16, 32)
+
+/* bf16: h[i * rank + k] = x_i . A_k on pair dot products, each sum as shrink_pairs' */
+static inline __attribute__((always_inline)) void stream_shrink_bf16(
     const uint16_t *restrict x, int64_t xs, const int rows, int64_t d_in, const module_t *m,
     float *restrict h, stream_t *st) {
     const uint16_t *A = (const uint16_t *)(intptr_t)m->a;
@@ -859,83 +959,40 @@ static inline __attribute__((always_inline)) void stream_shrink(
         for (int i = 0; i < rows; i++) h[i * rank + k] = _mm512_reduce_add_ps(acc[i]);
     }
 }
-
-/* y[i, start:end] += scale * h_i @ BT for the ROWS rows, the sums in acc (rows x the width) */
-static inline __attribute__((always_inline)) void stream_expand(
-    const float *restrict h, const int rows, const module_t *m, float scale, uint16_t *y,
-    int64_t ys, float *restrict acc, stream_t *st) {
-    const uint16_t *B = (const uint16_t *)(intptr_t)m->b;
-    const int64_t n = m->end - m->start, n2 = n - n % (2 * VW), rank = m->rank;
-    for (int64_t c = 0; c < rows * n; c++) acc[c] = 0.0f;
-    for (int64_t k = 0; k < rank; k++) {
-        const uint16_t *b = B + k * m->b_stride;
-        float p[STREAM_ROWS];
-        for (int i = 0; i < rows; i++) p[i] = h[i * rank + k];
-        int64_t c = 0;
-        for (; c < n2; c += 2 * VW) {  /* a line of B^T's row at a time */
-            stream_step(st);
-            const vf b0 = ld_bf16(b + c), b1 = ld_bf16(b + c + VW);
-            for (int i = 0; i < rows; i++) {
-                float *o = acc + i * n + c;
-                *(vf *)o = ld_f32(o) + p[i] * b0;
-                *(vf *)(o + VW) = ld_f32(o + VW) + p[i] * b1;
-            }
-        }
-        for (; c + VW <= n; c += VW) {
-            const vf b0 = ld_bf16(b + c);
-            for (int i = 0; i < rows; i++) *(vf *)(acc + i * n + c) = ld_f32(acc + i * n + c) + p[i] * b0;
-        }
-        for (; c < n; c++)
-            for (int i = 0; i < rows; i++) acc[i * n + c] += p[i] * bf2f(b[c]);
-    }
-    for (int i = 0; i < rows; i++) {
-        char *yr = (char *)(y + i * ys);
-        const float *o = acc + i * n;
-        int64_t c = 0;
-        for (; c + VW <= n; c += VW) store_vec(yr, DT_BF16, m->start + c, ld_f32(o + c), scale);
-        for (; c < n; c++) store_one(yr, DT_BF16, m->start + c, o[c], scale);
-    }
-}
+#endif
 
 static inline __attribute__((always_inline)) void stream_rows(
-    const uint16_t *x, int64_t xs, const int rows, int64_t d_in, const segment_t *sg,
-    float scale, uint16_t *y, int64_t ys, float *h, float *acc, stream_t *st) {
+    const char *x, int64_t xs, const int rows, int64_t d_in, const segment_t *sg, float scale,
+    char *y, int64_t ys, int64_t io_dtype, float *h, float *acc, stream_t *st) {
+    (void)io_dtype;  /* float32 only, without pair dot products */
     for (int64_t j = 0; j < sg->num_modules; j++) {
         const module_t *m = &modules_of(sg)[j];
-        stream_shrink(x, xs, rows, d_in, m, h, st);
-        stream_expand(h, rows, m, scale, y, ys, acc, st);
+#ifdef HAVE_DPBF16
+        if (io_dtype == DT_BF16) {
+            stream_shrink_bf16((const uint16_t *)x, xs, rows, d_in, m, h, st);
+            stream_expand_bf16(h, rows, m, scale, y, ys, DT_BF16, acc, st);
+            continue;
+        }
+#endif
+        stream_shrink_f32((const float *)x, xs, rows, d_in, m, h, st);
+        stream_expand_f32(h, rows, m, scale, y, ys, DT_F32, acc, st);
     }
 }
 
 /* one segment (its rows of x and y) in memory order; h: STREAM_ROWS x the widest rank, acc:
  * STREAM_ROWS x the widest module */
-static void stream_segment(const uint16_t *x, int64_t xs, int64_t d_in, const segment_t *sg,
-                           float scale, uint16_t *y, int64_t ys, float *h, float *acc,
-                           stream_t *st) {
-    x += sg->lo * xs;
-    y += sg->lo * ys;
+static void stream_segment(const void *x, int64_t xs, int64_t d_in, const segment_t *sg,
+                           float scale, void *y, int64_t ys, int64_t io_dtype, float *h,
+                           float *acc, stream_t *st) {
+    const int64_t el = io_dtype == DT_F32 ? 4 : 2;
+    const char *xr = (const char *)x + sg->lo * xs * el;
+    char *yr = (char *)y + sg->lo * ys * el;
     switch (sg->hi - sg->lo) {  /* 1 to STREAM_ROWS (seg_stream) */
-    case 1: stream_rows(x, xs, 1, d_in, sg, scale, y, ys, h, acc, st); break;
-    case 2: stream_rows(x, xs, 2, d_in, sg, scale, y, ys, h, acc, st); break;
-    default: stream_rows(x, xs, 3, d_in, sg, scale, y, ys, h, acc, st); break;
+    case 1: stream_rows(xr, xs, 1, d_in, sg, scale, yr, ys, io_dtype, h, acc, st); break;
+    case 2: stream_rows(xr, xs, 2, d_in, sg, scale, yr, ys, io_dtype, h, acc, st); break;
+    default: stream_rows(xr, xs, 3, d_in, sg, scale, yr, ys, io_dtype, h, acc, st); break;
     }
 }
-
-int64_t loraplex_lora_set_stream(int64_t mode) {
-    const int old = __atomic_exchange_n(&stream_mode, mode < 0 ? -1 : mode > 0, __ATOMIC_RELAXED);
-    return old;
-}
-#else
-static inline int seg_stream(const segment_t *sg, int64_t io_dtype, int on) {
-    (void)sg, (void)io_dtype, (void)on;
-    return 0;
-}
-
-int64_t loraplex_lora_set_stream(int64_t mode) {
-    (void)mode;
-    return -1;
-}
-#endif
 
 /* segments run in memory order since the library loaded (the tests' witness) */
 static int64_t stream_count = 0;
@@ -982,10 +1039,7 @@ int64_t loraplex_lora_short(const void *x, int64_t x_stride, void *y, int64_t y_
     int64_t h_total = 0, num_shrinks = 0, num_items = 0, f32_blocks = 0;
     int64_t num_long = 0, rp_max = 0;
     /* the segments read in memory order: how many, their blocks, their widest rank and module */
-    int stream = 0;
-#ifdef HAVE_DPBF16
-    stream = stream_on();
-#endif
+    const int stream = stream_on();
     int64_t num_stream = 0, stream_blocks = 0, stream_rank = 0, stream_width = 0;
     for (int64_t s = 0; s < num_segments; s++) {
         const segment_t *sg = &segs[s];
@@ -1052,7 +1106,7 @@ int64_t loraplex_lora_short(const void *x, int64_t x_stride, void *y, int64_t y_
     void *stream_ranges_buf = NULL;
     float *stream_scratch = NULL;
     if (num_stream) {
-        stream_ranges_buf = malloc((size_t)(nt * stream_blocks) * 2 * sizeof(int64_t));  /* range_t */
+        stream_ranges_buf = malloc((size_t)(nt * stream_blocks) * sizeof(range_t));
         stream_scratch = malloc((size_t)(nt * stream_floats + 16) * sizeof(float));
     }
     if (h == NULL || work == NULL || (widened && xw == NULL) ||
@@ -1101,7 +1155,6 @@ int64_t loraplex_lora_short(const void *x, int64_t x_stride, void *y, int64_t y_
         scratch != NULL ? scratch + (16 - ((uintptr_t)scratch / 4) % 16) % 16 : NULL;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
-#ifdef HAVE_DPBF16
         /* the segments read in memory order first, dealt round-robin (no barrier after) */
         if (num_stream > 0) {
             int me = 0;
@@ -1121,10 +1174,9 @@ int64_t loraplex_lora_short(const void *x, int64_t x_stride, void *y, int64_t y_
             k = 0;
             for (int64_t s = 0; s < num_segments; s++)
                 if (seg_stream(&segs[s], io_dtype, stream) && k++ % nt == me)
-                    stream_segment((const uint16_t *)x, x_stride, d_in, &segs[s], scales[s],
-                                   (uint16_t *)y, y_stride, hs, acc, &st);
+                    stream_segment(x, x_stride, d_in, &segs[s], scales[s], y, y_stride,
+                                   io_dtype, hs, acc, &st);
         }
-#endif
         /* the long segments' pieces first (nowait: a thread done with them goes on to the
          * short items), each packing its segment's A unless the thread's last piece was of
          * the same segment */
