@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -28,8 +29,30 @@ from loraplex.loadtest.runner import wait_ready
 CLI = (sys.executable, "-m", "loraplex.server.cli")
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out to outgoing connections (Linux's
+    ``ip_local_port_range``; 32768, its default, where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now."""
+    """A TCP port nothing listens on right now, chosen below the kernel's ephemeral range:
+    a server started seconds later still finds it free, where a port from ``bind(0)`` could
+    meanwhile become another process's outgoing connection (a gateway failed to bind its HTTP
+    port so, while its two workers started). ``bind(0)``'s port where no lower one binds."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(max(1024, low - 12288), low) if low > 2048 else 0
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

@@ -6,18 +6,17 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
+
+from loraplex.loadtest.local_server import free_port
 
 REDIS_BIN = shutil.which("redis-server")
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()  # below the ephemeral range: nothing outgoing takes it meanwhile
 
 
 class RedisServer:

@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ pytest.importorskip("loraplex.server.commands",
 
 import redis  # noqa: E402
 
+from loraplex.loadtest.local_server import free_port  # noqa: E402
 from loraplex.server.api import ServiceError  # noqa: E402
 from loraplex.server.auth import hash_key  # noqa: E402
 from loraplex.server.client import Client  # noqa: E402
@@ -59,9 +59,7 @@ SECRETS = {KEYS_SECRET: {"api-keys": f"# the tenants' keys\n{hash_key(API_KEY)} 
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()  # below the ephemeral range: nothing outgoing takes it meanwhile
 
 
 def _tail(path: Path) -> str:

@@ -6,14 +6,31 @@ workers read, requests over gRPC and HTTP are served, and the pids are the proce
 from __future__ import annotations
 
 import json
+import socket
 import urllib.request
 
 import psutil
 import pytest
 
+from loraplex.loadtest import local_server
 from loraplex.loadtest.local_server import LocalCluster
 from loraplex.server.client import Client
 from loraplex.server.commands import write_demo_adapter
+
+
+def test_free_ports_lie_below_the_ephemeral_range():
+    # A port from bind(0) is an ephemeral one, which an outgoing connection made while the
+    # servers start (a worker's) can take before the gateway binds it: the cluster then failed
+    # to start. free_port's lie below the range the kernel hands out, and bind.
+    low = local_server._ephemeral_low()
+    with socket.socket() as out:
+        out.bind(("127.0.0.1", 0))
+        assert out.getsockname()[1] >= low  # what bind(0) gives: in the range
+    ports = {local_server.free_port() for _ in range(8)}
+    assert len(ports) > 1 and all(1024 <= p < low for p in ports)
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
 
 
 def test_a_gateway_and_two_workers_serve_an_uploaded_adapter(tmp_path):
