@@ -171,7 +171,9 @@ class WorkerService:
             checked = [check_digest(d) for d in digests]
         except ValueError as exc:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"digests: {exc}") from None
-        return sum(adapters.warm(d) for d in checked)
+        # a digest named twice starts once: the first's load may already have failed (an
+        # unknown digest fails at once) by the time a second would be looked at
+        return sum(adapters.warm(d) for d in dict.fromkeys(checked))
 
     async def generate(self, request: WorkerRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncGenerator[GenerateChunk, None]:

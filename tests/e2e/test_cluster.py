@@ -134,7 +134,7 @@ def test_worker_prefetch_refuses_malformed_digests(pair: Cluster) -> None:
         # worker serves on
         unknown = "cd" * 32
         reply = stub.Prefetch(worker_pb2.PrefetchRequest(digests=[unknown, unknown]), timeout=10)
-        assert reply.started == 1  # the second is on its way already
+        assert reply.started == 1  # a digest named twice starts one load
         wait_for(lambda: not worker.engine.adapters.is_loading(unknown),
                  what="the unknown digest's load to end")
         assert unknown not in pair.stats(0).host_adapters
