@@ -14,6 +14,16 @@ def _switch(name: str, default: str = "1") -> str:
     return os.environ.get(f"LORAPLEX_{name}", default).strip().lower()
 
 
+def _tri_state(name: str) -> str:
+    """``LORAPLEX_<name>`` as ``off``, ``on`` or ``auto`` (unset or anything else)."""
+    value = _switch(name, "auto")
+    if value in _OFF:
+        return "off"
+    if value in _ON:
+        return "on"
+    return "auto"
+
+
 def cache_dir() -> Path:
     """``LORAPLEX_CACHE_DIR``: where the demo model and other built artefacts live."""
     default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "loraplex"
@@ -46,12 +56,7 @@ def fma_gemm() -> str:
     """``LORAPLEX_FMA_GEMM``: ``auto`` (the default) runs float32 projections on the FMA GEMM
     (``loraplex/kernels/cpu_gemm``) on CPUs without AMX where it was measured faster than oneDNN
     (x86 with AVX2 and FMA but not AVX-512); ``1`` on any CPU without AMX; ``0`` never."""
-    value = _switch("FMA_GEMM", "auto")
-    if value in _OFF:
-        return "off"
-    if value in _ON:
-        return "on"
-    return "auto"
+    return _tri_state("FMA_GEMM")
 
 
 def lora_stream() -> str:
@@ -59,12 +64,7 @@ def lora_stream() -> str:
     segments (1-3 rows, float32 or bf16) in memory order behind one prefetch stream
     (``loraplex/kernels/csrc/lora.c``) on CPUs where that was measured faster (AMD's family
     0x1A, Zen 5); ``1`` on any CPU (bf16 where the build has AVX512-BF16); ``0`` never."""
-    value = _switch("LORA_STREAM", "auto")
-    if value in _OFF:
-        return "off"
-    if value in _ON:
-        return "on"
-    return "auto"
+    return _tri_state("LORA_STREAM")
 
 
 def bf16_gemm() -> bool:
